@@ -1,0 +1,46 @@
+"""atom_sched: the scheduler and paged KV-cache block manager of an LLM inference engine.
+
+A C++ core (ATOM's scheduling policy with ATOM's bugs fixed) bound to Python with pybind11.
+See docs/api.md for the full contract. The short version::
+
+    from atom_sched import Scheduler, SchedulerConfig, SamplingParams
+
+    sched = Scheduler(SchedulerConfig(num_blocks=1024, block_size=16, eos_token_id=2))
+    sched.add_request(0, [1, 15, 27, 99], SamplingParams(max_tokens=32))
+    while sched.has_unfinished_requests():
+        batch = sched.schedule()          # numpy views: positions, slot_mapping, block_tables ...
+        if batch is None:
+            continue
+        sampled = run_model(batch)        # one token per row (or K+1 with speculative decoding)
+        for out in sched.update(batch, sampled):
+            print(out.request_id, out.output_tokens, out.finish_reason)
+"""
+
+from ._core import (
+    Batch,
+    InvariantError,
+    KVEvent,
+    RejectedRequest,
+    RequestOutput,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    StepOutput,
+    block_hash,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Batch",
+    "InvariantError",
+    "KVEvent",
+    "RejectedRequest",
+    "RequestOutput",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "StepOutput",
+    "block_hash",
+    "__version__",
+]

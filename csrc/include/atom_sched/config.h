@@ -1,0 +1,50 @@
+// Configuration of a Scheduler and of one request's sampling. Both validate themselves.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace atom_sched {
+
+/// The most speculative (draft) tokens per request per step that the scheduler supports.
+inline constexpr int32_t kMaxSpeculativeTokens = 8;
+
+/// Static configuration of a Scheduler. Units are tokens unless stated otherwise.
+struct SchedulerConfig {
+  int32_t num_blocks = 0;                 // KV blocks in the pool (> 0)
+  int32_t block_size = 16;                // tokens per KV block (> 0)
+  int32_t max_num_seqs = 256;             // bound on the running set and on rows per batch
+  int32_t max_num_batched_tokens = 8192;  // token budget of one batch
+  int32_t max_model_len = 8192;           // bound on prompt + generated tokens of a request
+  bool enable_prefix_caching = true;
+  bool enable_chunked_prefill = true;
+  int32_t num_speculative_tokens = 0;  // K: drafts verified per decode row (0..kMaxSpeculativeTokens)
+  int32_t eos_token_id = -1;           // -1: no EOS
+  std::vector<int32_t> stop_token_ids;  // stop tokens for every request (in addition to EOS)
+  double scheduler_delay_factor = 0.0;  // > 0 delays admission as ATOM does (seconds ratio)
+  bool enable_kv_events = false;        // record BlockStored/BlockRemoved/AllBlocksCleared
+  int32_t num_state_slots = 0;  // per-request state slots (linear attention); 0: not needed
+
+  /// Throws InvalidArgument naming the first invalid field.
+  void validate() const;
+  /// Width of every block-table row of a batch: the most blocks one request can hold.
+  [[nodiscard]] int32_t max_blocks_per_request() const;
+};
+
+/// How one request samples and when it stops. Field meanings follow ATOM's SamplingParams.
+struct SamplingParams {
+  float temperature = 1.0f;  // 0 means greedy
+  int32_t top_k = -1;        // -1 disables, else >= 1
+  float top_p = 1.0f;        // in (0, 1]
+  int32_t max_tokens = 64;   // generated tokens at most (>= 1)
+  bool ignore_eos = false;   // ignore EOS only (stop tokens and sequences still stop)
+  int32_t n = 1;             // fan-out is the engine's job: the scheduler accepts 1 only
+  bool logprobs = false;     // stream the sampled tokens' log-probabilities
+  std::vector<int32_t> stop_token_ids;                // per-request stop tokens
+  std::vector<std::vector<int32_t>> stop_token_sequences;  // stop when generated tokens end so
+
+  /// Throws InvalidArgument naming the first invalid field.
+  void validate() const;
+};
+
+}  // namespace atom_sched

@@ -1,0 +1,61 @@
+// A request's state inside the scheduler. Internal to the scheduler; exposed read-only through
+// Scheduler::request() for tests and introspection.
+//
+// Token accounting (DESIGN.md section 4) is explicit, never placeholder tokens:
+//  * tokens: the real tokens the host knows (prompt, then accepted outputs), R = tokens.size();
+//  * num_computed_tokens (S): KV positions written by every batch scheduled so far. Exact in the
+//    synchronous protocol (S == R - 1 between decode steps); an upper bound while a speculative
+//    batch is in flight, reconciled by the rejected count when its outputs arrive;
+//  * num_inflight: scheduled batches holding this request whose outputs have not arrived yet.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "atom_sched/config.h"
+#include "atom_sched/step_output.h"
+
+namespace atom_sched {
+
+enum class RequestStatus : uint8_t { kWaiting, kRunning, kFinished };
+
+struct Request {
+  // Hot fields first: the decode loop reads these every step.
+  int64_t id = -1;
+  RequestStatus status = RequestStatus::kFinished;
+  bool in_use = false;        // the slot holds a request (possibly finished, awaiting in-flight outputs)
+  bool preempted = false;     // was preempted at least once since its last admission
+  int32_t num_computed_tokens = 0;  // S
+  int32_t prefill_target = 0;       // tokens to prefill at this admission (R when admitted)
+  int32_t num_inflight = 0;
+  int32_t num_prompt_tokens = 0;
+  int32_t prefix_hit_tokens = 0;    // cache-hit tokens at the last admission
+  int32_t state_slot = -1;
+  uint64_t epoch = 0;               // unique per admission (a new block table); 0: never admitted
+  int32_t list_prev = -1, list_next = -1;  // links in the waiting or running list
+
+  // Sampling.
+  float temperature = 1.0f;
+  int32_t top_k = -1;
+  float top_p = 1.0f;
+  int32_t max_tokens = 0;
+  bool ignore_eos = false;
+  double arrival_time = 0.0;
+
+  std::vector<int32_t> tokens;        // R real tokens
+  std::vector<int32_t> block_table;   // KV block ids
+  std::vector<uint64_t> block_hashes; // chain hashes of the leading full blocks of `tokens`
+  std::vector<int32_t> drafts;        // K drafts proposed with the last output (sync protocol)
+  std::vector<int32_t> stop_token_ids;
+  std::vector<std::vector<int32_t>> stop_sequences;
+  FinishReason finish_reason = FinishReason::kNone;
+  int32_t stop_token = -1;
+
+  [[nodiscard]] int32_t num_tokens() const noexcept { return static_cast<int32_t>(tokens.size()); }
+  [[nodiscard]] int32_t num_generated() const noexcept { return num_tokens() - num_prompt_tokens; }
+  [[nodiscard]] bool is_partial_prefill() const noexcept {
+    return status == RequestStatus::kRunning && num_computed_tokens < prefill_target;
+  }
+};
+
+}  // namespace atom_sched

@@ -1,0 +1,198 @@
+// The scheduler: ATOM's scheduling policy (shared/spec/atom-scheduler-behaviour.md sections 3-5)
+// with ATOM's bugs fixed (DESIGN.md section 5), at C++ speed.
+//
+// Step protocol (DESIGN.md section 4):
+//  * synchronous:   b = schedule(); run the model; update(b->id, outputs of b)
+//  * one step ahead: schedule() for step t+1 may be called while batch t is still in flight (at
+//    most kMaxOutstandingBatches outstanding); update() always names the oldest outstanding batch.
+//    KV is reserved for the worst case (K+1 tokens per in-flight decode row) and reconciled when
+//    the accepted counts arrive. Outputs for a request that finished meanwhile are discarded; a
+//    request preempted while a batch holding it is in flight keeps the tokens that batch produces.
+//
+// Block reuse ordering: blocks freed by update() or by a preemption may still be written by a
+// forward already launched. They are handed out again only to batches scheduled later, so an
+// engine that runs its forwards in order on one stream is safe (ATOM's contract too).
+//
+// Not thread-safe: one thread drives a Scheduler (the Python binding serialises calls).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "atom_sched/batch.h"
+#include "atom_sched/block_pool.h"
+#include "atom_sched/config.h"
+#include "atom_sched/request.h"
+#include "atom_sched/step_output.h"
+
+namespace atom_sched {
+
+inline constexpr int32_t kMaxOutstandingBatches = 2;
+
+/// The sampled outputs of one batch, row-aligned with it. Spans are not retained.
+struct ModelOutputs {
+  /// [num_rows, W] row-major with W = 1 when K == 0, else K + 1. Row i's first
+  /// num_accepted[i] entries are its accepted tokens (the rest is ignored). A row that does not
+  /// emit a token (a prefill chunk that does not finish its prompt) is ignored entirely.
+  std::span<const int32_t> sampled_token_ids;
+  /// [num_rows] in 1..K+1; may be empty for a prefill batch or when K == 0 (all 1).
+  std::span<const int32_t> num_accepted;
+  /// [num_rows, K]: drafts proposed for each row's next step. Required when K > 0.
+  std::span<const int32_t> draft_token_ids;
+  /// Empty, or [num_rows, W] log-probabilities aligned with sampled_token_ids.
+  std::span<const float> logprobs;
+};
+
+struct SchedulerStats {
+  int64_t num_steps = 0;           // batches scheduled
+  int64_t num_preemptions = 0;
+  int64_t num_prefix_queries = 0;  // admissions that probed the prefix cache
+  int64_t prefix_query_tokens = 0;
+  int64_t prefix_hit_tokens = 0;
+  int64_t num_spec_steps = 0;           // decode rows verified
+  int64_t num_draft_tokens = 0;         // K per verified row
+  int64_t num_accepted_draft_tokens = 0;
+  std::vector<int64_t> acceptance_counts;  // [K+1]: rows that accepted a = index + 1 tokens
+  int64_t num_finished = 0;
+  int64_t num_aborted = 0;
+  int64_t num_rejected = 0;
+
+  [[nodiscard]] double prefix_hit_rate() const noexcept;
+  [[nodiscard]] double acceptance_rate() const noexcept;  // accepted drafts / drafts
+};
+
+/// What the next schedule() would do, without doing it.
+struct NextBatchInfo {
+  bool is_prefill = false;
+  int32_t num_tokens = 0;
+  int32_t num_rows = 0;
+};
+
+class Scheduler {
+ public:
+  /// Validates `config` (InvalidArgument on a bad field) and sizes every buffer once.
+  explicit Scheduler(SchedulerConfig config);
+
+  /// Queues a request. InvalidArgument: id < 0 or already live, empty prompt, a negative token
+  /// id, invalid params. An oversized prompt is not an error: schedule() rejects it with ATOM's
+  /// reason (take_rejected()). `arrival_time` (seconds) feeds scheduler_delay_factor only.
+  void add_request(int64_t id, std::span<const int32_t> prompt, const SamplingParams& params,
+                   double arrival_time = 0.0);
+
+  /// Ends a live request now and frees its KV. UnknownRequest if `id` is not live.
+  void abort_request(int64_t id);
+
+  /// Chooses the next batch. Returns nullptr (and changes nothing but the delay clock) when there
+  /// is nothing to run. `allow_prefill = false` is a data-parallel veto: only decode rows run.
+  /// InvalidArgument if kMaxOutstandingBatches batches are already outstanding. The batch stays
+  /// valid until the batch after the next one is scheduled.
+  const Batch* schedule(double now = 0.0, bool allow_prefill = true);
+
+  /// Consumes the outputs of the oldest outstanding batch, whose id must be `batch_id`.
+  /// InvalidArgument (state unchanged) on a wrong batch id or on outputs that do not match it.
+  const StepOutput& update(uint64_t batch_id, const ModelOutputs& outputs);
+
+  /// Requests rejected by schedule() since the last call (ATOM's take_rejected).
+  [[nodiscard]] std::vector<RejectedRequest> take_rejected();
+  /// KV events recorded since the last call.
+  [[nodiscard]] std::vector<KvEvent> take_events() { return pool_.take_events(); }
+  /// Forgets the prefix cache (AllBlocksCleared).
+  void reset_prefix_cache() { pool_.reset_prefix_cache(); }
+
+  /// What schedule(now, allow_prefill) would return, computed on a copy of the state: exact by
+  /// construction, O(state) in cost (a query for coordination and tests, not for every step).
+  [[nodiscard]] NextBatchInfo next_batch_info(double now = 0.0, bool allow_prefill = true) const;
+
+  [[nodiscard]] const SchedulerStats& stats() const noexcept { return stats_; }
+  [[nodiscard]] const SchedulerConfig& config() const noexcept { return config_; }
+  [[nodiscard]] const BlockPool& block_pool() const noexcept { return pool_; }
+  [[nodiscard]] int32_t num_waiting() const noexcept { return waiting_.size; }
+  [[nodiscard]] int32_t num_running() const noexcept { return running_.size; }
+  [[nodiscard]] int32_t num_outstanding_batches() const noexcept { return num_outstanding_; }
+  [[nodiscard]] bool has_unfinished_requests() const noexcept {
+    return waiting_.size + running_.size > 0;
+  }
+  /// The live request `id` (waiting or running). UnknownRequest otherwise.
+  [[nodiscard]] const Request& request(int64_t id) const;
+  [[nodiscard]] bool contains(int64_t id) const;
+  /// Live request ids in queue order.
+  [[nodiscard]] std::vector<int64_t> waiting_ids() const;
+  [[nodiscard]] std::vector<int64_t> running_ids() const;
+
+  /// Throws InvariantViolation if any invariant of the scheduler or its pool is broken: ref
+  /// counts equal the number of tables holding each block, no block twice in one table, queues
+  /// consistent with statuses, running set within max_num_seqs, tables covering computed tokens.
+  void check_invariants() const;
+
+ private:
+  struct List {  // intrusive doubly linked list over request slots
+    int32_t head = -1, tail = -1, size = 0;
+  };
+
+  // Request slots and id lookup.
+  int32_t new_slot();
+  void release_slot_if_done(int32_t slot);
+  [[nodiscard]] int32_t slot_of(int64_t id) const;  // -1 if not live
+
+  // Intrusive lists.
+  void list_push_back(List& l, int32_t slot);
+  void list_push_front(List& l, int32_t slot);
+  void list_remove(List& l, int32_t slot);
+
+  // Policy.
+  [[nodiscard]] std::optional<std::string> unschedulable_reason(const Request& r) const;
+  void ensure_block_hashes(Request& r, int32_t num_blocks);
+  [[nodiscard]] int32_t probe_blocks(const Request& r) const;  // blocks can_allocate may hit
+  [[nodiscard]] bool passed_delay(double now);
+  void schedule_prefills(Batch& b, double now);
+  void schedule_decodes(Batch& b);
+  void preempt(int32_t slot);
+  void finish(int32_t slot, FinishReason reason, int32_t stop_token);
+
+  // Batch assembly.
+  void begin_batch(Batch& b, bool is_prefill);
+  void add_prefill_row(Batch& b, int32_t slot, int32_t chunk);
+  void add_decode_row(Batch& b, int32_t slot);
+  int32_t begin_row(Batch& b, const Request& r, int32_t slot, int32_t num_tokens);
+  void fill_block_table_row(Batch& b, int32_t row, const Request& r);
+  void set_computed(Request& r, int32_t num_computed);  // keeps num_partial_ in step
+
+  // Outputs.
+  void validate_outputs(const Batch& b, const ModelOutputs& out) const;
+  void apply_row_output(const Batch& b, int32_t row, const ModelOutputs& out, int32_t width);
+  /// The stop condition met by the request's last token, or kNone.
+  [[nodiscard]] FinishReason stop_reason(const Request& r, int32_t& stop_token) const;
+
+  SchedulerConfig config_;
+  int32_t k_;           // speculative tokens per decode row
+  int32_t table_width_; // block-table columns
+  BlockPool pool_;
+
+  std::vector<Request> requests_;  // slots; reused
+  std::vector<int32_t> free_slots_;
+  std::unordered_map<int64_t, int32_t> slot_by_id_;  // live requests only
+  List waiting_, running_;
+
+  Batch batches_[kMaxOutstandingBatches];
+  int32_t next_buffer_ = 0;    // the buffer the next schedule() fills
+  int32_t num_outstanding_ = 0;
+  uint64_t next_batch_id_ = 1;
+
+  StepOutput step_output_;
+  std::vector<RejectedRequest> rejected_;
+  SchedulerStats stats_;
+
+  // scheduler_delay_factor state (ATOM's _passed_delay).
+  double prev_time_ = 0.0;
+  bool prev_prompt_ = false;
+  double last_prompt_latency_ = 0.0;
+
+  int32_t num_partial_ = 0;  // running requests whose prefill is not fully scheduled yet
+  uint64_t next_epoch_ = 1;
+};
+
+}  // namespace atom_sched

@@ -1,0 +1,110 @@
+// SchedulerConfig and SamplingParams: plain structs with keyword constructors. SamplingParams
+// validates on construction, SchedulerConfig when a Scheduler is built (or on validate()).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "atom_sched/config.h"
+#include "bindings.h"
+
+namespace atom_sched {
+
+namespace py = pybind11;
+using namespace pybind11::literals;
+
+void bind_config(py::module_& m) {
+  py::class_<SchedulerConfig>(m, "SchedulerConfig",
+                              "Static configuration of a Scheduler (validated by Scheduler()).")
+      .def(py::init([](int32_t num_blocks, int32_t block_size, int32_t max_num_seqs,
+                       int32_t max_num_batched_tokens, int32_t max_model_len,
+                       bool enable_prefix_caching, bool enable_chunked_prefill,
+                       int32_t num_speculative_tokens, int32_t eos_token_id,
+                       std::vector<int32_t> stop_token_ids, double scheduler_delay_factor,
+                       bool enable_kv_events, int32_t num_state_slots) {
+             SchedulerConfig c;
+             c.num_blocks = num_blocks;
+             c.block_size = block_size;
+             c.max_num_seqs = max_num_seqs;
+             c.max_num_batched_tokens = max_num_batched_tokens;
+             c.max_model_len = max_model_len;
+             c.enable_prefix_caching = enable_prefix_caching;
+             c.enable_chunked_prefill = enable_chunked_prefill;
+             c.num_speculative_tokens = num_speculative_tokens;
+             c.eos_token_id = eos_token_id;
+             c.stop_token_ids = std::move(stop_token_ids);
+             c.scheduler_delay_factor = scheduler_delay_factor;
+             c.enable_kv_events = enable_kv_events;
+             c.num_state_slots = num_state_slots;
+             return c;
+           }),
+           "num_blocks"_a, py::kw_only(), "block_size"_a = 16, "max_num_seqs"_a = 256,
+           "max_num_batched_tokens"_a = 8192, "max_model_len"_a = 8192,
+           "enable_prefix_caching"_a = true, "enable_chunked_prefill"_a = true,
+           "num_speculative_tokens"_a = 0, "eos_token_id"_a = -1,
+           "stop_token_ids"_a = std::vector<int32_t>{}, "scheduler_delay_factor"_a = 0.0,
+           "enable_kv_events"_a = false, "num_state_slots"_a = 0)
+      .def_readwrite("num_blocks", &SchedulerConfig::num_blocks)
+      .def_readwrite("block_size", &SchedulerConfig::block_size)
+      .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
+      .def_readwrite("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
+      .def_readwrite("max_model_len", &SchedulerConfig::max_model_len)
+      .def_readwrite("enable_prefix_caching", &SchedulerConfig::enable_prefix_caching)
+      .def_readwrite("enable_chunked_prefill", &SchedulerConfig::enable_chunked_prefill)
+      .def_readwrite("num_speculative_tokens", &SchedulerConfig::num_speculative_tokens)
+      .def_readwrite("eos_token_id", &SchedulerConfig::eos_token_id)
+      .def_readwrite("stop_token_ids", &SchedulerConfig::stop_token_ids)
+      .def_readwrite("scheduler_delay_factor", &SchedulerConfig::scheduler_delay_factor)
+      .def_readwrite("enable_kv_events", &SchedulerConfig::enable_kv_events)
+      .def_readwrite("num_state_slots", &SchedulerConfig::num_state_slots)
+      .def("validate", &SchedulerConfig::validate, "Raises ValueError naming an invalid field.")
+      .def_property_readonly("max_blocks_per_request", &SchedulerConfig::max_blocks_per_request)
+      .def("__repr__", [](const SchedulerConfig& c) {
+        return "SchedulerConfig(num_blocks=" + std::to_string(c.num_blocks) +
+               ", block_size=" + std::to_string(c.block_size) +
+               ", max_num_seqs=" + std::to_string(c.max_num_seqs) +
+               ", max_num_batched_tokens=" + std::to_string(c.max_num_batched_tokens) +
+               ", max_model_len=" + std::to_string(c.max_model_len) +
+               ", num_speculative_tokens=" + std::to_string(c.num_speculative_tokens) + ")";
+      });
+
+  py::class_<SamplingParams>(m, "SamplingParams",
+                             "How a request samples and stops (ATOM's fields; validated here).")
+      .def(py::init([](float temperature, int32_t top_k, float top_p, int32_t max_tokens,
+                       bool ignore_eos, int32_t n, bool logprobs,
+                       std::vector<int32_t> stop_token_ids,
+                       std::vector<std::vector<int32_t>> stop_token_sequences) {
+             SamplingParams p;
+             p.temperature = temperature;
+             p.top_k = top_k;
+             p.top_p = top_p;
+             p.max_tokens = max_tokens;
+             p.ignore_eos = ignore_eos;
+             p.n = n;
+             p.logprobs = logprobs;
+             p.stop_token_ids = std::move(stop_token_ids);
+             p.stop_token_sequences = std::move(stop_token_sequences);
+             p.validate();
+             return p;
+           }),
+           py::kw_only(), "temperature"_a = 1.0f, "top_k"_a = -1, "top_p"_a = 1.0f,
+           "max_tokens"_a = 64, "ignore_eos"_a = false, "n"_a = 1, "logprobs"_a = false,
+           "stop_token_ids"_a = std::vector<int32_t>{},
+           "stop_token_sequences"_a = std::vector<std::vector<int32_t>>{})
+      .def_readwrite("temperature", &SamplingParams::temperature)
+      .def_readwrite("top_k", &SamplingParams::top_k)
+      .def_readwrite("top_p", &SamplingParams::top_p)
+      .def_readwrite("max_tokens", &SamplingParams::max_tokens)
+      .def_readwrite("ignore_eos", &SamplingParams::ignore_eos)
+      .def_readwrite("n", &SamplingParams::n)
+      .def_readwrite("logprobs", &SamplingParams::logprobs)
+      .def_readwrite("stop_token_ids", &SamplingParams::stop_token_ids)
+      .def_readwrite("stop_token_sequences", &SamplingParams::stop_token_sequences)
+      .def("validate", &SamplingParams::validate)
+      .def("__repr__", [](const SamplingParams& p) {
+        return "SamplingParams(temperature=" + std::to_string(p.temperature) +
+               ", top_k=" + std::to_string(p.top_k) + ", top_p=" + std::to_string(p.top_p) +
+               ", max_tokens=" + std::to_string(p.max_tokens) +
+               ", ignore_eos=" + (p.ignore_eos ? "True" : "False") + ")";
+      });
+}
+
+}  // namespace atom_sched

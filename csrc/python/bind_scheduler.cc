@@ -1,0 +1,484 @@
+// Scheduler, Batch, StepOutput, RequestOutput, KVEvent and RejectedRequest.
+//
+// Batch and StepOutput are views: their numpy arrays point into buffers the C++ scheduler owns
+// and reuses, with the view object as the arrays' base (so the scheduler outlives them). A view
+// whose buffer has been reused for a newer batch/step raises instead of returning wrong data.
+// Calls that do real work release the GIL; a mutex serialises calls on one Scheduler.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+
+#include "atom_sched/errors.h"
+#include "atom_sched/scheduler.h"
+#include "bindings.h"
+#include "convert.h"
+
+namespace atom_sched {
+
+namespace py = pybind11;
+using namespace pybind11::literals;
+using py_convert::Float32Input;
+using py_convert::Int32Input;
+using py_convert::readonly_view;
+
+namespace {
+
+double monotonic_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+struct SchedulerHandle {
+  explicit SchedulerHandle(SchedulerConfig config) : core(std::move(config)) {}
+  Scheduler core;
+  std::mutex mu;
+};
+using Handle = std::shared_ptr<SchedulerHandle>;
+
+struct BatchView {
+  Handle owner;
+  const Batch* batch;
+  uint64_t id;
+  const Batch& get() const {
+    if (batch->id != id)
+      throw std::runtime_error("batch " + std::to_string(id) +
+                               " is no longer valid: its buffer now holds a newer batch");
+    return *batch;
+  }
+};
+
+struct StepOutputView {
+  Handle owner;
+  const StepOutput* out;
+  uint64_t batch_id;
+  const StepOutput& get() const {
+    if (out->batch_id != batch_id)
+      throw std::runtime_error("the outputs of batch " + std::to_string(batch_id) +
+                               " are no longer valid: update() has run since");
+    return *out;
+  }
+};
+
+struct RequestOutput {
+  int64_t request_id;
+  std::vector<int32_t> output_tokens;
+  bool finished;
+  std::optional<std::string> finish_reason;
+  int32_t num_cached_tokens;
+  std::optional<std::vector<float>> logprobs;
+};
+
+RequestOutput make_output(const StepOutput& so, int32_t i) {
+  RequestOutput o;
+  o.request_id = so.req_ids[i];
+  const int32_t lo = so.token_offsets[i], hi = so.token_offsets[i + 1];
+  o.output_tokens.assign(so.new_tokens.begin() + lo, so.new_tokens.begin() + hi);
+  o.finished = so.finish_reasons[i] != FinishReason::kNone;
+  if (o.finished) o.finish_reason = finish_reason_string(so.finish_reasons[i], so.stop_tokens[i]);
+  o.num_cached_tokens = so.prefix_hit_tokens[i];
+  if (!so.new_logprobs.empty())
+    o.logprobs.emplace(so.new_logprobs.begin() + lo, so.new_logprobs.begin() + hi);
+  return o;
+}
+
+// Property getters for per-row and per-token arrays of a BatchView.
+template <typename T>
+auto row_array(std::vector<T> Batch::*field) {
+  return [field](py::object self) {
+    const Batch& b = self.cast<const BatchView&>().get();
+    return readonly_view(self, (b.*field).data(), {b.num_rows});
+  };
+}
+template <typename T>
+auto token_array(std::vector<T> Batch::*field) {
+  return [field](py::object self) {
+    const Batch& b = self.cast<const BatchView&>().get();
+    return readonly_view(self, (b.*field).data(), {b.num_tokens});
+  };
+}
+auto bool_row_array(std::vector<uint8_t> Batch::*field) {
+  return [field](py::object self) {
+    const Batch& b = self.cast<const BatchView&>().get();
+    return readonly_view(self, reinterpret_cast<const bool*>((b.*field).data()), {b.num_rows});
+  };
+}
+
+const char* status_name(RequestStatus s) {
+  switch (s) {
+    case RequestStatus::kWaiting: return "waiting";
+    case RequestStatus::kRunning: return "running";
+    case RequestStatus::kFinished: break;
+  }
+  return "finished";
+}
+
+const char* event_kind_name(KvEventKind k) {
+  switch (k) {
+    case KvEventKind::kBlockStored: return "BlockStored";
+    case KvEventKind::kBlockRemoved: return "BlockRemoved";
+    case KvEventKind::kAllBlocksCleared: break;
+  }
+  return "AllBlocksCleared";
+}
+
+py::object add_request(SchedulerHandle& h, int64_t request_id, py::handle prompt,
+                       std::optional<SamplingParams> params, std::optional<double> arrival_time) {
+  Int32Input tokens(prompt, "prompt_token_ids", 1);
+  std::lock_guard lock(h.mu);
+  h.core.add_request(request_id, tokens.span(), params ? *params : SamplingParams{},
+                     arrival_time ? *arrival_time : monotonic_seconds());
+  return py::none();
+}
+
+py::object schedule(const Handle& h, bool allow_prefill, std::optional<double> now) {
+  const double t = now ? *now : monotonic_seconds();
+  const Batch* b;
+  {
+    py::gil_scoped_release release;
+    std::lock_guard lock(h->mu);
+    b = h->core.schedule(t, allow_prefill);
+  }
+  if (b == nullptr) return py::none();
+  return py::cast(BatchView{h, b, b->id});
+}
+
+StepOutputView update(const Handle& h, const BatchView& batch, py::handle sampled,
+                      py::handle num_accepted, py::handle drafts, py::handle logprobs) {
+  if (batch.owner.get() != h.get())
+    throw py::value_error("update(): the batch belongs to another Scheduler");
+  const Batch& b = batch.get();
+  const int32_t rows = b.num_rows;
+  const int32_t k = h->core.config().num_speculative_tokens;
+  Int32Input s(sampled, "sampled_token_ids", 0);
+  if (s.dim(0) != rows)
+    throw py::value_error("sampled_token_ids has " + std::to_string(s.dim(0)) +
+                          " rows; the batch has " + std::to_string(rows));
+  if (s.ndim() == 1 && k > 0 && !b.is_prefill)
+    throw py::value_error("sampled_token_ids must be 2-D (rows, K+1) for a speculative batch");
+  if (s.ndim() == 2 && s.dim(1) != k + 1)
+    throw py::value_error("sampled_token_ids must have K+1 = " + std::to_string(k + 1) +
+                          " columns, got " + std::to_string(s.dim(1)));
+  std::optional<Int32Input> acc, dr;
+  std::optional<Float32Input> lp;
+  ModelOutputs out;
+  out.sampled_token_ids = s.span();
+  if (!num_accepted.is_none()) {
+    acc.emplace(num_accepted, "num_accepted", 1);
+    if (acc->dim(0) != rows)
+      throw py::value_error("num_accepted has " + std::to_string(acc->dim(0)) +
+                            " entries; the batch has " + std::to_string(rows) + " rows");
+    out.num_accepted = acc->span();
+  }
+  if (!drafts.is_none()) {
+    dr.emplace(drafts, "draft_token_ids", 2);
+    if (dr->dim(0) != rows || dr->dim(1) != k)
+      throw py::value_error("draft_token_ids must have shape (" + std::to_string(rows) + ", " +
+                            std::to_string(k) + "), got (" + std::to_string(dr->dim(0)) + ", " +
+                            std::to_string(dr->dim(1)) + ")");
+    out.draft_token_ids = dr->span();
+  }
+  if (!logprobs.is_none()) {
+    lp.emplace(logprobs, "logprobs");
+    if (lp->ndim() != s.ndim() || lp->dim(0) != s.dim(0) || lp->dim(1) != s.dim(1))
+      throw py::value_error("logprobs must have the shape of sampled_token_ids");
+    out.logprobs = lp->span();
+  }
+  const StepOutput* so;
+  {
+    py::gil_scoped_release release;
+    std::lock_guard lock(h->mu);
+    so = &h->core.update(batch.id, out);
+  }
+  return StepOutputView{h, so, so->batch_id};
+}
+
+py::dict stats_dict(const SchedulerStats& s) {
+  py::dict d;
+  d["num_steps"] = s.num_steps;
+  d["num_preemptions"] = s.num_preemptions;
+  d["num_prefix_queries"] = s.num_prefix_queries;
+  d["prefix_query_tokens"] = s.prefix_query_tokens;
+  d["prefix_hit_tokens"] = s.prefix_hit_tokens;
+  d["prefix_hit_rate"] = s.prefix_hit_rate();
+  d["num_spec_steps"] = s.num_spec_steps;
+  d["num_draft_tokens"] = s.num_draft_tokens;
+  d["num_accepted_draft_tokens"] = s.num_accepted_draft_tokens;
+  d["acceptance_rate"] = s.acceptance_rate();
+  d["acceptance_counts"] = s.acceptance_counts;
+  d["num_finished"] = s.num_finished;
+  d["num_aborted"] = s.num_aborted;
+  d["num_rejected"] = s.num_rejected;
+  return d;
+}
+
+py::dict request_state(const Request& r) {
+  py::dict d;
+  d["request_id"] = r.id;
+  d["status"] = status_name(r.status);
+  d["num_tokens"] = r.num_tokens();
+  d["num_prompt_tokens"] = r.num_prompt_tokens;
+  d["num_computed_tokens"] = r.num_computed_tokens;
+  d["prefill_target"] = r.prefill_target;
+  d["num_inflight"] = r.num_inflight;
+  d["prefix_hit_tokens"] = r.prefix_hit_tokens;
+  d["token_ids"] = r.tokens;
+  d["output_token_ids"] =
+      std::vector<int32_t>(r.tokens.begin() + r.num_prompt_tokens, r.tokens.end());
+  d["block_table"] = r.block_table;
+  d["state_slot"] = r.state_slot;
+  d["drafts"] = r.drafts;
+  return d;
+}
+
+}  // namespace
+
+void bind_scheduler(py::module_& m) {
+  py::class_<RejectedRequest>(m, "RejectedRequest", "A request schedule() can never run.")
+      .def_readonly("request_id", &RejectedRequest::req_id)
+      .def_readonly("reason", &RejectedRequest::reason)
+      .def("__repr__", [](const RejectedRequest& r) {
+        return "RejectedRequest(request_id=" + std::to_string(r.req_id) + ", reason='" +
+               r.reason + "')";
+      });
+
+  py::class_<KvEvent>(m, "KVEvent", "A KV-cache event (BlockStored, BlockRemoved, ...).")
+      .def_property_readonly("kind", [](const KvEvent& e) { return event_kind_name(e.kind); })
+      .def_readonly("block_hashes", &KvEvent::block_hashes)
+      .def_readonly("parent_block_hash", &KvEvent::parent_block_hash)
+      .def_readonly("token_ids", &KvEvent::token_ids)
+      .def_readonly("block_size", &KvEvent::block_size)
+      .def_property_readonly("medium",
+                             [](const KvEvent& e) -> py::object {
+                               const char* name = medium_name(e.medium);
+                               return name ? py::str(name) : py::object(py::none());
+                             })
+      .def("__repr__", [](const KvEvent& e) {
+        return std::string("KVEvent(") + event_kind_name(e.kind) +
+               ", blocks=" + std::to_string(e.block_hashes.size()) + ")";
+      });
+
+  py::class_<RequestOutput>(m, "RequestOutput", "What one request gained in one step.")
+      .def_readonly("request_id", &RequestOutput::request_id)
+      .def_readonly("output_tokens", &RequestOutput::output_tokens)
+      .def_readonly("finished", &RequestOutput::finished)
+      .def_readonly("finish_reason", &RequestOutput::finish_reason)
+      .def_readonly("num_cached_tokens", &RequestOutput::num_cached_tokens)
+      .def_readonly("logprobs", &RequestOutput::logprobs)
+      .def("__repr__", [](const RequestOutput& o) {
+        return "RequestOutput(request_id=" + std::to_string(o.request_id) +
+               ", new_tokens=" + std::to_string(o.output_tokens.size()) +
+               ", finished=" + (o.finished ? "True" : "False") +
+               (o.finish_reason ? ", finish_reason='" + *o.finish_reason + "'" : "") + ")";
+      });
+
+  py::class_<StepOutputView>(m, "StepOutput",
+                             "The outputs of one update(): flat arrays valid until the next "
+                             "update(); outputs() or iteration gives RequestOutput objects.")
+      .def_property_readonly("batch_id", [](const StepOutputView& v) { return v.get().batch_id; })
+      .def_property_readonly("request_ids",
+                             [](py::object self) {
+                               const StepOutput& so = self.cast<const StepOutputView&>().get();
+                               return readonly_view(self, so.req_ids.data(), {so.size()});
+                             })
+      .def_property_readonly("token_offsets",
+                             [](py::object self) {
+                               const StepOutput& so = self.cast<const StepOutputView&>().get();
+                               return readonly_view(self, so.token_offsets.data(),
+                                                    {so.size() + 1});
+                             })
+      .def_property_readonly(
+          "new_tokens",
+          [](py::object self) {
+            const StepOutput& so = self.cast<const StepOutputView&>().get();
+            return readonly_view(self, so.new_tokens.data(),
+                                 {static_cast<py::ssize_t>(so.new_tokens.size())});
+          })
+      .def_property_readonly("finished",
+                             [](const StepOutputView& v) {
+                               const StepOutput& so = v.get();
+                               py::array_t<bool> a(so.size());
+                               auto w = a.mutable_unchecked<1>();
+                               for (int32_t i = 0; i < so.size(); ++i)
+                                 w(i) = so.finish_reasons[i] != FinishReason::kNone;
+                               return a;
+                             })
+      .def("outputs",
+           [](const StepOutputView& v) {
+             const StepOutput& so = v.get();
+             std::vector<RequestOutput> out;
+             out.reserve(so.size());
+             for (int32_t i = 0; i < so.size(); ++i) out.push_back(make_output(so, i));
+             return out;
+           })
+      .def("__len__", [](const StepOutputView& v) { return v.get().size(); })
+      .def("__iter__", [](const StepOutputView& v) {
+        py::list l;
+        const StepOutput& so = v.get();
+        for (int32_t i = 0; i < so.size(); ++i) l.append(py::cast(make_output(so, i)));
+        return py::iter(l);
+      });
+
+  py::class_<BatchView>(m, "Batch",
+                        "One step's batch: read-only numpy views into the scheduler's buffers, "
+                        "valid until the batch after the next one is scheduled.")
+      .def_property_readonly("id", [](const BatchView& v) { return v.get().id; })
+      .def_property_readonly("is_prefill", [](const BatchView& v) { return v.get().is_prefill; })
+      .def_property_readonly("num_rows", [](const BatchView& v) { return v.get().num_rows; })
+      .def_property_readonly("num_tokens", [](const BatchView& v) { return v.get().num_tokens; })
+      .def_property_readonly("total_tokens_num",
+                             [](const BatchView& v) { return v.get().num_tokens; })
+      .def_property_readonly("num_spec_tokens",
+                             [](const BatchView& v) { return v.get().num_spec_tokens; })
+      .def_property_readonly("max_seqlen_q", [](const BatchView& v) { return v.get().max_seqlen_q; })
+      .def_property_readonly("max_seqlen_k", [](const BatchView& v) { return v.get().max_seqlen_k; })
+      .def_property_readonly("block_table_width",
+                             [](const BatchView& v) { return v.get().block_table_width; })
+      .def_property_readonly("req_ids", row_array(&Batch::req_ids))
+      .def_property_readonly("request_slots", row_array(&Batch::request_slots))
+      .def_property_readonly("num_scheduled_tokens", row_array(&Batch::num_scheduled_tokens))
+      .def_property_readonly("num_cached_tokens", row_array(&Batch::num_cached_tokens))
+      .def_property_readonly("context_lens", row_array(&Batch::context_lens))
+      .def_property_readonly("last_block_num_tokens", row_array(&Batch::last_block_num_tokens))
+      .def_property_readonly("temperatures", row_array(&Batch::temperatures))
+      .def_property_readonly("top_ks", row_array(&Batch::top_ks))
+      .def_property_readonly("top_ps", row_array(&Batch::top_ps))
+      .def_property_readonly("state_slots", row_array(&Batch::state_slots))
+      .def_property_readonly("emits_token", bool_row_array(&Batch::emits_token))
+      .def_property_readonly("row_exact", bool_row_array(&Batch::row_exact))
+      .def_property_readonly("scheduled_tokens", token_array(&Batch::scheduled_tokens))
+      .def_property_readonly("positions", token_array(&Batch::positions))
+      .def_property_readonly("slot_mapping", token_array(&Batch::slot_mapping))
+      .def_property_readonly("cu_seqlens_q",
+                             [](py::object self) {
+                               const Batch& b = self.cast<const BatchView&>().get();
+                               return readonly_view(self, b.cu_seqlens_q.data(), {b.num_rows + 1});
+                             })
+      .def_property_readonly("cu_seqlens_k",
+                             [](py::object self) {
+                               const Batch& b = self.cast<const BatchView&>().get();
+                               return readonly_view(self, b.cu_seqlens_k.data(), {b.num_rows + 1});
+                             })
+      .def_property_readonly("block_tables",
+                             [](py::object self) {
+                               const Batch& b = self.cast<const BatchView&>().get();
+                               return readonly_view(self, b.block_tables.data(),
+                                                    {b.num_rows, b.block_table_width});
+                             })
+      .def_property_readonly("spec_draft_tokens",
+                             [](py::object self) {
+                               const Batch& b = self.cast<const BatchView&>().get();
+                               const py::ssize_t k = b.is_prefill ? 0 : b.num_spec_tokens;
+                               return readonly_view(self, b.spec_draft_tokens.data(),
+                                                    {b.num_rows, k});
+                             })
+      .def("__len__", [](const BatchView& v) { return v.get().num_rows; })
+      .def("__repr__", [](const BatchView& v) {
+        const Batch& b = v.get();
+        return "Batch(id=" + std::to_string(b.id) + (b.is_prefill ? ", prefill" : ", decode") +
+               ", rows=" + std::to_string(b.num_rows) + ", tokens=" +
+               std::to_string(b.num_tokens) + ")";
+      });
+
+  py::class_<SchedulerHandle, Handle>(m, "Scheduler",
+                                      "ATOM's scheduler and paged KV block manager in C++.")
+      .def(py::init([](SchedulerConfig config) {
+             return std::make_shared<SchedulerHandle>(std::move(config));
+           }),
+           "config"_a)
+      .def("add_request", &add_request, "request_id"_a, "prompt_token_ids"_a,
+           "sampling_params"_a = py::none(), "arrival_time"_a = py::none())
+      .def(
+          "abort_request",
+          [](SchedulerHandle& h, int64_t id) {
+            std::lock_guard lock(h.mu);
+            h.core.abort_request(id);
+          },
+          "request_id"_a)
+      .def("schedule", &schedule, "allow_prefill"_a = true, "now"_a = py::none())
+      .def("update", &update, "batch"_a, "sampled_token_ids"_a, "num_accepted"_a = py::none(),
+           "draft_token_ids"_a = py::none(), "logprobs"_a = py::none())
+      .def("take_rejected",
+           [](SchedulerHandle& h) {
+             std::lock_guard lock(h.mu);
+             return h.core.take_rejected();
+           })
+      .def("take_events",
+           [](SchedulerHandle& h) {
+             std::lock_guard lock(h.mu);
+             return h.core.take_events();
+           })
+      .def("stats",
+           [](SchedulerHandle& h) {
+             std::lock_guard lock(h.mu);
+             return stats_dict(h.core.stats());
+           })
+      .def(
+          "get_next_batch_info",
+          [](SchedulerHandle& h, bool allow_prefill, std::optional<double> now) {
+            const double t = now ? *now : monotonic_seconds();
+            NextBatchInfo info;
+            {
+              py::gil_scoped_release release;
+              std::lock_guard lock(h.mu);
+              info = h.core.next_batch_info(t, allow_prefill);
+            }
+            return py::make_tuple(info.is_prefill, info.num_tokens, info.num_rows);
+          },
+          "allow_prefill"_a = true, "now"_a = py::none())
+      .def("has_unfinished_requests",
+           [](SchedulerHandle& h) {
+             std::lock_guard lock(h.mu);
+             return h.core.has_unfinished_requests();
+           })
+      .def("reset_prefix_cache",
+           [](SchedulerHandle& h) {
+             std::lock_guard lock(h.mu);
+             h.core.reset_prefix_cache();
+           })
+      .def("check_invariants",
+           [](SchedulerHandle& h) {
+             py::gil_scoped_release release;
+             std::lock_guard lock(h.mu);
+             h.core.check_invariants();
+           })
+      .def(
+          "request_state",
+          [](SchedulerHandle& h, int64_t id) {
+            std::lock_guard lock(h.mu);
+            return request_state(h.core.request(id));
+          },
+          "request_id"_a)
+      .def("waiting_ids",
+           [](SchedulerHandle& h) {
+             std::lock_guard lock(h.mu);
+             return h.core.waiting_ids();
+           })
+      .def("running_ids",
+           [](SchedulerHandle& h) {
+             std::lock_guard lock(h.mu);
+             return h.core.running_ids();
+           })
+      .def("__contains__",
+           [](SchedulerHandle& h, int64_t id) {
+             std::lock_guard lock(h.mu);
+             return h.core.contains(id);
+           })
+      .def_property_readonly("config", [](SchedulerHandle& h) { return h.core.config(); })
+      .def_property_readonly("num_waiting", [](SchedulerHandle& h) { return h.core.num_waiting(); })
+      .def_property_readonly("num_running", [](SchedulerHandle& h) { return h.core.num_running(); })
+      .def_property_readonly("num_outstanding_batches",
+                             [](SchedulerHandle& h) { return h.core.num_outstanding_batches(); })
+      .def_property_readonly(
+          "num_free_blocks", [](SchedulerHandle& h) { return h.core.block_pool().num_free_blocks(); })
+      .def_property_readonly("num_blocks",
+                             [](SchedulerHandle& h) { return h.core.block_pool().num_blocks(); })
+      .def_property_readonly("kv_usage",
+                             [](SchedulerHandle& h) { return h.core.block_pool().usage(); });
+}
+
+}  // namespace atom_sched

@@ -1,0 +1,9 @@
+// Registration functions of the _core module, one per binding file.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace atom_sched {
+void bind_config(pybind11::module_& m);
+void bind_scheduler(pybind11::module_& m);
+}  // namespace atom_sched

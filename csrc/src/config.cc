@@ -1,0 +1,64 @@
+#include "atom_sched/config.h"
+
+#include <string>
+
+#include "atom_sched/errors.h"
+
+namespace atom_sched {
+
+namespace {
+void require(bool ok, const std::string& what) {
+  if (!ok) throw InvalidArgument(what);
+}
+std::string got(double v) {
+  std::string s = std::to_string(v);
+  return ", got " + s;
+}
+std::string got(int64_t v) { return ", got " + std::to_string(v); }
+}  // namespace
+
+void SchedulerConfig::validate() const {
+  require(num_blocks >= 1, "num_blocks must be >= 1" + got(int64_t{num_blocks}));
+  require(block_size >= 1, "block_size must be >= 1" + got(int64_t{block_size}));
+  require(max_num_seqs >= 1, "max_num_seqs must be >= 1" + got(int64_t{max_num_seqs}));
+  require(max_num_batched_tokens >= 1,
+          "max_num_batched_tokens must be >= 1" + got(int64_t{max_num_batched_tokens}));
+  require(max_model_len >= 1, "max_model_len must be >= 1" + got(int64_t{max_model_len}));
+  require(num_speculative_tokens >= 0 && num_speculative_tokens <= kMaxSpeculativeTokens,
+          "num_speculative_tokens must be in 0.." + std::to_string(kMaxSpeculativeTokens) +
+              got(int64_t{num_speculative_tokens}));
+  require(max_num_batched_tokens >= num_speculative_tokens + 1,
+          "max_num_batched_tokens must be >= num_speculative_tokens + 1 (one decode row)" +
+              got(int64_t{max_num_batched_tokens}));
+  require(eos_token_id >= -1, "eos_token_id must be >= 0, or -1 for none" +
+                                  got(int64_t{eos_token_id}));
+  for (int32_t t : stop_token_ids)
+    require(t >= 0, "stop_token_ids must be >= 0" + got(int64_t{t}));
+  require(scheduler_delay_factor >= 0.0,
+          "scheduler_delay_factor must be >= 0" + got(scheduler_delay_factor));
+  require(num_state_slots >= 0, "num_state_slots must be >= 0" + got(int64_t{num_state_slots}));
+}
+
+int32_t SchedulerConfig::max_blocks_per_request() const {
+  // A running request holds at most max_model_len real tokens plus, one step ahead, the worst
+  // case of two speculative rows (K+1 positions each) not yet reconciled.
+  const int64_t tokens = int64_t{max_model_len} + 2 * (int64_t{num_speculative_tokens} + 1);
+  return static_cast<int32_t>((tokens + block_size - 1) / block_size);
+}
+
+void SamplingParams::validate() const {
+  require(temperature >= 0.0f, "temperature must be >= 0" + got(double{temperature}));
+  require(top_k == -1 || top_k >= 1,
+          "top_k must be -1 (disabled) or >= 1" + got(int64_t{top_k}));
+  require(top_p > 0.0f && top_p <= 1.0f, "top_p must be in range (0.0, 1.0]" + got(double{top_p}));
+  require(max_tokens >= 1, "max_tokens must be >= 1" + got(int64_t{max_tokens}));
+  require(n >= 1, "n must be >= 1" + got(int64_t{n}));
+  for (int32_t t : stop_token_ids)
+    require(t >= 0, "stop_token_ids must be >= 0" + got(int64_t{t}));
+  for (const auto& seq : stop_token_sequences) {
+    require(!seq.empty(), "stop_token_sequences must not contain an empty sequence");
+    for (int32_t t : seq) require(t >= 0, "stop_token_sequences ids must be >= 0" + got(int64_t{t}));
+  }
+}
+
+}  // namespace atom_sched

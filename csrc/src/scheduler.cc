@@ -1,0 +1,744 @@
+#include "atom_sched/scheduler.h"
+
+#include <algorithm>
+#include <limits>
+#include <string>
+
+#include "atom_sched/errors.h"
+#include "atom_sched/xxhash64.h"
+
+namespace atom_sched {
+
+namespace {
+
+int32_t ceil_div(int32_t a, int32_t b) { return (a + b - 1) / b; }
+
+void check(bool ok, const std::string& what) {
+  if (!ok) throw InvariantViolation("Scheduler: " + what);
+}
+
+std::string id_str(int64_t id) { return std::to_string(id); }
+
+}  // namespace
+
+double SchedulerStats::prefix_hit_rate() const noexcept {
+  return prefix_query_tokens > 0 ? static_cast<double>(prefix_hit_tokens) / prefix_query_tokens
+                                 : 0.0;
+}
+
+double SchedulerStats::acceptance_rate() const noexcept {
+  return num_draft_tokens > 0 ? static_cast<double>(num_accepted_draft_tokens) / num_draft_tokens
+                              : 0.0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Construction and request slots
+
+Scheduler::Scheduler(SchedulerConfig config)
+    : config_((config.validate(), std::move(config))),
+      k_(config_.num_speculative_tokens),
+      table_width_(config_.max_blocks_per_request()),
+      pool_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching,
+            config_.enable_kv_events, config_.num_state_slots) {
+  const size_t rows = config_.max_num_seqs;
+  const size_t tokens = config_.max_num_batched_tokens;
+  for (Batch& b : batches_) {
+    b.block_table_width = table_width_;
+    b.req_ids.resize(rows);
+    b.request_slots.resize(rows);
+    b.num_scheduled_tokens.resize(rows);
+    b.num_cached_tokens.resize(rows);
+    b.context_lens.resize(rows);
+    b.last_block_num_tokens.resize(rows);
+    b.temperatures.resize(rows);
+    b.top_ks.resize(rows);
+    b.top_ps.resize(rows);
+    b.emits_token.resize(rows);
+    b.row_exact.resize(rows);
+    b.state_slots.resize(rows);
+    b.block_tables.assign(rows * table_width_, 0);
+    b.spec_draft_tokens.resize(rows * k_);
+    b.cu_seqlens_q.assign(rows + 1, 0);
+    b.cu_seqlens_k.assign(rows + 1, 0);
+    b.scheduled_tokens.resize(tokens);
+    b.positions.resize(tokens);
+    b.slot_mapping.resize(tokens);
+    b.row_owner.assign(rows, 0);
+    b.row_filled.assign(rows, 0);
+  }
+  step_output_.req_ids.reserve(rows);
+  step_output_.token_offsets.reserve(rows + 1);
+  step_output_.new_tokens.reserve(rows * (k_ + 1));
+  step_output_.finish_reasons.reserve(rows);
+  step_output_.stop_tokens.reserve(rows);
+  step_output_.prefix_hit_tokens.reserve(rows);
+  stats_.acceptance_counts.assign(k_ + 1, 0);
+  slot_by_id_.reserve(rows * 2);
+}
+
+int32_t Scheduler::new_slot() {
+  if (!free_slots_.empty()) {
+    int32_t s = free_slots_.back();
+    free_slots_.pop_back();
+    return s;
+  }
+  requests_.emplace_back();
+  return static_cast<int32_t>(requests_.size()) - 1;
+}
+
+void Scheduler::release_slot_if_done(int32_t slot) {
+  Request& r = requests_[slot];
+  if (r.in_use && r.status == RequestStatus::kFinished && r.num_inflight == 0) {
+    r.in_use = false;
+    free_slots_.push_back(slot);
+  }
+}
+
+int32_t Scheduler::slot_of(int64_t id) const {
+  auto it = slot_by_id_.find(id);
+  return it == slot_by_id_.end() ? -1 : it->second;
+}
+
+bool Scheduler::contains(int64_t id) const { return slot_of(id) >= 0; }
+
+const Request& Scheduler::request(int64_t id) const {
+  int32_t s = slot_of(id);
+  if (s < 0) throw UnknownRequest("unknown request id " + id_str(id));
+  return requests_[s];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Intrusive lists (waiting, running): O(1) push, pop and removal from the middle.
+
+void Scheduler::list_push_back(List& l, int32_t slot) {
+  Request& r = requests_[slot];
+  r.list_prev = l.tail;
+  r.list_next = -1;
+  (l.tail >= 0 ? requests_[l.tail].list_next : l.head) = slot;
+  l.tail = slot;
+  ++l.size;
+}
+
+void Scheduler::list_push_front(List& l, int32_t slot) {
+  Request& r = requests_[slot];
+  r.list_prev = -1;
+  r.list_next = l.head;
+  (l.head >= 0 ? requests_[l.head].list_prev : l.tail) = slot;
+  l.head = slot;
+  ++l.size;
+}
+
+void Scheduler::list_remove(List& l, int32_t slot) {
+  Request& r = requests_[slot];
+  (r.list_prev >= 0 ? requests_[r.list_prev].list_next : l.head) = r.list_next;
+  (r.list_next >= 0 ? requests_[r.list_next].list_prev : l.tail) = r.list_prev;
+  r.list_prev = r.list_next = -1;
+  --l.size;
+}
+
+std::vector<int64_t> Scheduler::waiting_ids() const {
+  std::vector<int64_t> out;
+  for (int32_t s = waiting_.head; s >= 0; s = requests_[s].list_next) out.push_back(requests_[s].id);
+  return out;
+}
+
+std::vector<int64_t> Scheduler::running_ids() const {
+  std::vector<int64_t> out;
+  for (int32_t s = running_.head; s >= 0; s = requests_[s].list_next) out.push_back(requests_[s].id);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Adding, aborting, finishing
+
+void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
+                            const SamplingParams& params, double arrival_time) {
+  // Validate everything before touching any state.
+  if (id < 0) throw InvalidArgument("request id must be >= 0, got " + id_str(id));
+  if (slot_of(id) >= 0) throw InvalidArgument("request id " + id_str(id) + " is already live");
+  if (prompt.empty()) throw InvalidArgument("request " + id_str(id) + ": the prompt is empty");
+  for (size_t i = 0; i < prompt.size(); ++i)
+    if (prompt[i] < 0)
+      throw InvalidArgument("request " + id_str(id) + ": prompt token " + std::to_string(i) +
+                            " is negative (" + std::to_string(prompt[i]) + ")");
+  params.validate();
+  if (params.n != 1)
+    throw InvalidArgument("n > 1 is not supported by the scheduler: the engine fans a request "
+                          "out into n requests");
+
+  const int32_t slot = new_slot();
+  Request& r = requests_[slot];
+  r.id = id;
+  r.status = RequestStatus::kWaiting;
+  r.in_use = true;
+  r.preempted = false;
+  r.num_computed_tokens = 0;
+  r.prefill_target = 0;
+  r.num_inflight = 0;
+  r.num_prompt_tokens = static_cast<int32_t>(prompt.size());
+  r.prefix_hit_tokens = 0;
+  r.state_slot = -1;
+  r.epoch = 0;
+  r.temperature = params.temperature;
+  r.top_k = params.top_k;
+  r.top_p = params.top_p;
+  r.max_tokens = params.max_tokens;
+  r.ignore_eos = params.ignore_eos;
+  r.arrival_time = arrival_time;
+  // Reserve for the request's whole life once, so decode steps never reallocate.
+  const int64_t most_tokens =
+      std::min<int64_t>(int64_t{r.num_prompt_tokens} + params.max_tokens,
+                        std::max<int64_t>(config_.max_model_len, r.num_prompt_tokens)) +
+      k_ + 1;
+  r.tokens.clear();
+  r.tokens.reserve(most_tokens);
+  r.tokens.assign(prompt.begin(), prompt.end());
+  r.block_table.clear();
+  r.block_table.reserve(table_width_);
+  r.block_hashes.clear();
+  r.block_hashes.reserve(table_width_);
+  r.drafts.assign(k_, -1);
+  r.stop_token_ids = config_.stop_token_ids;
+  r.stop_token_ids.insert(r.stop_token_ids.end(), params.stop_token_ids.begin(),
+                          params.stop_token_ids.end());
+  r.stop_sequences = params.stop_token_sequences;
+  r.finish_reason = FinishReason::kNone;
+  r.stop_token = -1;
+  slot_by_id_[id] = slot;
+  list_push_back(waiting_, slot);
+}
+
+void Scheduler::abort_request(int64_t id) {
+  const int32_t slot = slot_of(id);
+  if (slot < 0) throw UnknownRequest("unknown request id " + id_str(id));
+  ++stats_.num_aborted;
+  finish(slot, FinishReason::kAborted, -1);
+}
+
+void Scheduler::set_computed(Request& r, int32_t num_computed) {
+  const bool was_partial = r.is_partial_prefill();
+  r.num_computed_tokens = num_computed;
+  num_partial_ += static_cast<int32_t>(r.is_partial_prefill()) - static_cast<int32_t>(was_partial);
+}
+
+void Scheduler::finish(int32_t slot, FinishReason reason, int32_t stop_token) {
+  Request& r = requests_[slot];
+  if (r.is_partial_prefill()) --num_partial_;
+  if (r.status == RequestStatus::kWaiting) list_remove(waiting_, slot);
+  if (r.status == RequestStatus::kRunning) list_remove(running_, slot);
+  // The blocks may still be written by a batch in flight; they go only to later batches.
+  pool_.free(r.block_table);
+  r.block_table.clear();
+  if (r.state_slot >= 0) pool_.release_state_slot(r.state_slot);
+  r.state_slot = -1;
+  r.status = RequestStatus::kFinished;
+  r.finish_reason = reason;
+  r.stop_token = stop_token;
+  slot_by_id_.erase(r.id);
+  if (reason != FinishReason::kAborted && reason != FinishReason::kUnschedulable)
+    ++stats_.num_finished;
+  release_slot_if_done(slot);
+}
+
+std::vector<RejectedRequest> Scheduler::take_rejected() {
+  std::vector<RejectedRequest> out;
+  out.swap(rejected_);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scheduling policy
+
+std::optional<std::string> Scheduler::unschedulable_reason(const Request& r) const {
+  const int32_t n = r.num_tokens();
+  if (n > config_.max_model_len)
+    return "input tokens=" + std::to_string(n) + " > max_model_len=" +
+           std::to_string(config_.max_model_len) +
+           ". Increase --max-model-len or shorten the prompt.";
+  // ATOM checked num_tokens here, so a preempted request that had grown past the budget was
+  // rejected on readmission (8.9); a preempted request is re-prefilled in chunks instead.
+  if (!config_.enable_chunked_prefill && r.num_prompt_tokens > config_.max_num_batched_tokens)
+    return "input tokens=" + std::to_string(r.num_prompt_tokens) + " > max_num_batched_tokens=" +
+           std::to_string(config_.max_num_batched_tokens) +
+           ". Increase --max-num-batched-tokens, enable chunked prefill, or shorten the prompt.";
+  const int32_t blocks = ceil_div(n, config_.block_size);
+  if (blocks > pool_.num_blocks())
+    return "needs " + std::to_string(blocks) + " KV blocks for " + std::to_string(n) +
+           " input tokens > total pool blocks=" + std::to_string(pool_.num_blocks()) +
+           ". Reduce prompt length or raise --gpu-memory-utilization.";
+  return std::nullopt;
+}
+
+int32_t Scheduler::probe_blocks(const Request& r) const {
+  if (!config_.enable_prefix_caching) return 0;
+  const int32_t n = r.num_tokens();
+  // Full blocks, but never the last block of the sequence (it is always computed).
+  return std::min(n / config_.block_size, ceil_div(n, config_.block_size) - 1);
+}
+
+void Scheduler::ensure_block_hashes(Request& r, int32_t num_blocks) {
+  // Hashes depend only on tokens, which never change once known: compute each block's once.
+  const int32_t bs = config_.block_size;
+  for (int32_t i = static_cast<int32_t>(r.block_hashes.size()); i < num_blocks; ++i) {
+    std::optional<uint64_t> parent;
+    if (i > 0) parent = r.block_hashes[i - 1];
+    r.block_hashes.push_back(
+        block_hash(std::span<const int32_t>(r.tokens.data() + static_cast<size_t>(i) * bs, bs),
+                   parent));
+  }
+}
+
+bool Scheduler::passed_delay(double now) {
+  // ATOM's _passed_delay, evaluated once per schedule() instead of once per admission (8.26).
+  if (prev_prompt_) last_prompt_latency_ = now - prev_time_;
+  prev_time_ = now;
+  prev_prompt_ = false;
+  if (waiting_.size == 0) return true;
+  double oldest = std::numeric_limits<double>::infinity();
+  for (int32_t s = waiting_.head; s >= 0; s = requests_[s].list_next)
+    oldest = std::min(oldest, requests_[s].arrival_time);
+  return (now - oldest) > config_.scheduler_delay_factor * last_prompt_latency_ ||
+         running_.size == 0;
+}
+
+void Scheduler::schedule_prefills(Batch& b, double now) {
+  const int32_t budget = config_.max_num_batched_tokens;
+  const int32_t max_rows = config_.max_num_seqs;
+
+  // Phase 1: resume partial prefills, in running order.
+  for (int32_t s = running_.head; s >= 0 && num_partial_ > 0; s = requests_[s].list_next) {
+    if (b.num_rows >= max_rows) break;
+    const Request& r = requests_[s];
+    if (!r.is_partial_prefill()) continue;
+    const int32_t chunk = std::min(r.prefill_target - r.num_computed_tokens, budget - b.num_tokens);
+    if (chunk <= 0) break;
+    add_prefill_row(b, s, chunk);
+  }
+
+  // Phase 2: admit from the head of waiting (strict FCFS).
+  if (config_.scheduler_delay_factor > 0 && !passed_delay(now)) return;
+  const int32_t bs = config_.block_size;
+  const bool needs_state = config_.num_state_slots > 0;
+  while (waiting_.size > 0 && b.num_rows < max_rows && running_.size < max_rows &&
+         b.num_tokens < budget) {
+    const int32_t s = waiting_.head;
+    Request& r = requests_[s];
+    if (auto why = unschedulable_reason(r)) {
+      rejected_.push_back({r.id, "unschedulable: " + *why});
+      ++stats_.num_rejected;
+      finish(s, FinishReason::kUnschedulable, -1);
+      continue;
+    }
+    // A preempted request's in-flight output must land before it is re-prefilled. With at most
+    // two batches outstanding it always has; this guard keeps the invariant explicit.
+    if (r.num_inflight > 0) break;
+    ensure_block_hashes(r, probe_blocks(r));
+    const int32_t hits = pool_.can_allocate(r.block_hashes, r.tokens, r.num_tokens(), needs_state);
+    if (hits < 0) break;  // head-of-line blocking, as ATOM
+    const int32_t num_new = r.num_tokens() - hits * bs;
+    const int32_t left = budget - b.num_tokens;
+    int32_t chunk = num_new;
+    if (config_.enable_chunked_prefill || r.preempted) {
+      chunk = std::min(num_new, left);
+    } else if (num_new > left && b.num_tokens > 0) {
+      break;
+    }
+    pool_.allocate(r.block_hashes, hits, r.num_tokens(), r.block_table);
+    if (needs_state) r.state_slot = pool_.take_state_slot();
+    r.epoch = next_epoch_++;
+    r.prefix_hit_tokens = hits * bs;
+    r.prefill_target = r.num_tokens();
+    if (config_.enable_prefix_caching) {
+      ++stats_.num_prefix_queries;
+      stats_.prefix_query_tokens += r.num_tokens();
+      stats_.prefix_hit_tokens += hits * bs;
+    }
+    list_remove(waiting_, s);
+    r.num_computed_tokens = hits * bs;
+    r.status = RequestStatus::kRunning;
+    list_push_back(running_, s);
+    num_partial_ += r.is_partial_prefill();  // always: the last block is never a hit
+    add_prefill_row(b, s, chunk);
+  }
+}
+
+void Scheduler::schedule_decodes(Batch& b) {
+  const int32_t n = k_ + 1;
+  const int32_t bs = config_.block_size;
+  for (int32_t s = running_.head; s >= 0;) {
+    if (b.num_rows >= config_.max_num_seqs) break;
+    if (b.num_tokens + n > config_.max_num_batched_tokens) break;
+    Request& r = requests_[s];
+    if (r.is_partial_prefill()) {  // never decode a half-prefilled prompt (8.3)
+      s = r.list_next;
+      continue;
+    }
+    // Exact reservation for this row's positions S .. S+K (ATOM over- or under-reserved, 8.6/8.7).
+    const int32_t needed = ceil_div(r.num_computed_tokens + n, bs);
+    bool preempted_self = false;
+    while (!pool_.grow(r.block_table, needed)) {
+      // Recompute preemption, LIFO: the tail of running. Rows already in this batch sit before
+      // `s` in the list, so they are never victims.
+      const int32_t victim = running_.tail;
+      preempt(victim);
+      if (victim == s) {
+        preempted_self = true;
+        break;
+      }
+    }
+    if (preempted_self) break;  // s was the tail: nothing after it
+    add_decode_row(b, s);
+    s = r.list_next;
+  }
+}
+
+void Scheduler::preempt(int32_t slot) {
+  Request& r = requests_[slot];
+  if (r.is_partial_prefill()) --num_partial_;
+  list_remove(running_, slot);
+  pool_.free(r.block_table);
+  r.block_table.clear();
+  if (r.state_slot >= 0) pool_.release_state_slot(r.state_slot);
+  r.state_slot = -1;
+  // Only real tokens are ever kept, so nothing needs stripping (ATOM left placeholders, 8.1).
+  // Outputs of a batch still in flight are appended when they arrive.
+  r.num_computed_tokens = 0;
+  r.prefill_target = 0;
+  std::fill(r.drafts.begin(), r.drafts.end(), -1);
+  r.status = RequestStatus::kWaiting;
+  r.preempted = true;
+  list_push_front(waiting_, slot);
+  ++stats_.num_preemptions;
+}
+
+const Batch* Scheduler::schedule(double now, bool allow_prefill) {
+  if (num_outstanding_ >= kMaxOutstandingBatches)
+    throw InvalidArgument("schedule(): " + std::to_string(kMaxOutstandingBatches) +
+                          " batches are outstanding; pass the oldest to update() first");
+  if (waiting_.size == 0 && running_.size == 0) return nullptr;
+  Batch& b = batches_[next_buffer_];
+  begin_batch(b, /*is_prefill=*/true);
+  if (allow_prefill) schedule_prefills(b, now);
+  if (b.num_rows == 0) {
+    begin_batch(b, /*is_prefill=*/false);
+    schedule_decodes(b);
+  }
+  if (b.num_rows == 0) return nullptr;
+  b.id = next_batch_id_++;
+  if (b.is_prefill) prev_prompt_ = true;
+  next_buffer_ = (next_buffer_ + 1) % kMaxOutstandingBatches;
+  ++num_outstanding_;
+  ++stats_.num_steps;
+  return &b;
+}
+
+NextBatchInfo Scheduler::next_batch_info(double now, bool allow_prefill) const {
+  Scheduler copy = *this;
+  const Batch* b = copy.schedule(now, allow_prefill);
+  if (b == nullptr) return {};
+  return {b->is_prefill, b->num_tokens, b->num_rows};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batch assembly
+
+void Scheduler::begin_batch(Batch& b, bool is_prefill) {
+  b.is_prefill = is_prefill;
+  b.num_rows = 0;
+  b.num_tokens = 0;
+  b.num_spec_tokens = is_prefill ? 0 : k_;
+  b.max_seqlen_q = 0;
+  b.max_seqlen_k = 0;
+  b.cu_seqlens_q[0] = 0;
+  b.cu_seqlens_k[0] = 0;
+}
+
+void Scheduler::fill_block_table_row(Batch& b, int32_t row, const Request& r) {
+  // Rewriting every row in full each step would cost rows x width writes (ATOM's
+  // prepare_block_tables); a row that holds the same admission as last time in this buffer
+  // only gets the blocks appended since. Tables only grow during one admission.
+  int32_t* dst = b.block_tables.data() + static_cast<size_t>(row) * table_width_;
+  const int32_t size = static_cast<int32_t>(r.block_table.size());
+  int32_t from = 0;
+  if (b.row_owner[row] == r.epoch) {
+    from = b.row_filled[row];
+  } else {
+    b.row_owner[row] = r.epoch;
+    if (b.row_filled[row] > size) std::fill(dst + size, dst + b.row_filled[row], 0);
+  }
+  std::copy(r.block_table.begin() + from, r.block_table.end(), dst + from);
+  b.row_filled[row] = size;
+}
+
+int32_t Scheduler::begin_row(Batch& b, const Request& r, int32_t slot, int32_t num_tokens) {
+  const int32_t row = b.num_rows++;
+  const int32_t start = r.num_computed_tokens;
+  const int32_t end = start + num_tokens;
+  const int32_t bs = config_.block_size;
+  b.req_ids[row] = r.id;
+  b.request_slots[row] = slot;
+  b.num_scheduled_tokens[row] = num_tokens;
+  b.num_cached_tokens[row] = start;
+  b.context_lens[row] = end;
+  b.last_block_num_tokens[row] = end - (ceil_div(end, bs) - 1) * bs;
+  b.temperatures[row] = r.temperature;
+  b.top_ks[row] = r.top_k;
+  b.top_ps[row] = r.top_p;
+  b.state_slots[row] = r.state_slot;
+  b.row_exact[row] = r.num_inflight == 0;
+  fill_block_table_row(b, row, r);
+  const int32_t* table = r.block_table.data();
+  for (int32_t i = 0; i < num_tokens; ++i) {
+    const int32_t pos = start + i;
+    b.positions[b.num_tokens + i] = pos;
+    b.slot_mapping[b.num_tokens + i] = int64_t{table[pos / bs]} * bs + pos % bs;
+  }
+  b.cu_seqlens_q[row + 1] = b.cu_seqlens_q[row] + num_tokens;
+  b.cu_seqlens_k[row + 1] = b.cu_seqlens_k[row] + end;
+  b.max_seqlen_q = std::max(b.max_seqlen_q, num_tokens);
+  b.max_seqlen_k = std::max(b.max_seqlen_k, end);
+  return row;
+}
+
+void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
+  Request& r = requests_[slot];
+  const int32_t row = begin_row(b, r, slot, chunk);
+  std::copy_n(r.tokens.begin() + r.num_computed_tokens, chunk,
+              b.scheduled_tokens.begin() + b.num_tokens);
+  b.num_tokens += chunk;
+  set_computed(r, r.num_computed_tokens + chunk);
+  b.emits_token[row] = r.num_computed_tokens == r.prefill_target;
+  ++r.num_inflight;
+}
+
+void Scheduler::add_decode_row(Batch& b, int32_t slot) {
+  Request& r = requests_[slot];
+  const int32_t n = k_ + 1;
+  const int32_t row = begin_row(b, r, slot, n);
+  const bool known = r.num_inflight == 0;
+  // Input: the last real token, then the K drafts. One step ahead they are still on the device.
+  int32_t* tokens = b.scheduled_tokens.data() + b.num_tokens;
+  int32_t* drafts = b.spec_draft_tokens.data() + static_cast<size_t>(row) * k_;
+  tokens[0] = known ? r.tokens.back() : -1;
+  for (int32_t j = 0; j < k_; ++j) drafts[j] = tokens[j + 1] = known ? r.drafts[j] : -1;
+  b.num_tokens += n;
+  b.emits_token[row] = 1;
+  r.num_computed_tokens += n;  // upper bound until the accepted count arrives
+  ++r.num_inflight;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Outputs
+
+void Scheduler::validate_outputs(const Batch& b, const ModelOutputs& out) const {
+  const size_t rows = b.num_rows;
+  const size_t full = k_ + 1;
+  const size_t n = out.sampled_token_ids.size();
+  const size_t width = rows > 0 ? n / rows : 0;
+  const bool width_ok = n == rows * width && (width == full || (width == 1 && (b.is_prefill || k_ == 0)));
+  if (!width_ok)
+    throw InvalidArgument("sampled_token_ids has " + std::to_string(n) + " values for a batch of " +
+                          std::to_string(rows) + " rows; expected " + std::to_string(rows) +
+                          " x " + std::to_string(full));
+  if (!out.num_accepted.empty() && out.num_accepted.size() != rows)
+    throw InvalidArgument("num_accepted has " + std::to_string(out.num_accepted.size()) +
+                          " values for a batch of " + std::to_string(rows) + " rows");
+  if (out.num_accepted.empty() && !b.is_prefill && k_ > 0)
+    throw InvalidArgument("num_accepted is required for a speculative decode batch");
+  if (k_ > 0 && out.draft_token_ids.size() != rows * k_)
+    throw InvalidArgument("draft_token_ids must hold " + std::to_string(rows) + " x " +
+                          std::to_string(k_) + " values, got " +
+                          std::to_string(out.draft_token_ids.size()));
+  if (k_ == 0 && !out.draft_token_ids.empty())
+    throw InvalidArgument("draft_token_ids given but num_speculative_tokens is 0");
+  if (!out.logprobs.empty() && out.logprobs.size() != n)
+    throw InvalidArgument("logprobs must have the shape of sampled_token_ids");
+  const int32_t max_accepted = b.is_prefill ? 1 : k_ + 1;
+  for (size_t i = 0; i < rows; ++i) {
+    const int32_t a = out.num_accepted.empty() ? 1 : out.num_accepted[i];
+    if (a < 1 || a > max_accepted)
+      throw InvalidArgument("num_accepted[" + std::to_string(i) + "] = " + std::to_string(a) +
+                            " is outside 1.." + std::to_string(max_accepted));
+    if (!b.emits_token[i]) continue;
+    for (int32_t j = 0; j < a; ++j) {
+      const int32_t t = out.sampled_token_ids[i * width + j];
+      if (t < 0)
+        throw InvalidArgument("sampled token [" + std::to_string(i) + ", " + std::to_string(j) +
+                              "] is negative (" + std::to_string(t) + ")");
+    }
+  }
+}
+
+FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const {
+  const int32_t tok = r.tokens.back();
+  const int32_t generated = r.num_generated();
+  for (const auto& seq : r.stop_sequences) {
+    const int32_t len = static_cast<int32_t>(seq.size());
+    if (generated >= len && std::equal(seq.begin(), seq.end(), r.tokens.end() - len))
+      return FinishReason::kStopSequence;  // matched within generated tokens only (8.11)
+  }
+  if (!r.ignore_eos && tok == config_.eos_token_id) return FinishReason::kEos;
+  for (int32_t id : r.stop_token_ids) {
+    if (tok == id) {  // stop tokens stop even with ignore_eos (8.12)
+      stop_token = id;
+      return FinishReason::kStopToken;
+    }
+  }
+  if (generated >= r.max_tokens) return FinishReason::kMaxTokens;
+  if (r.num_tokens() >= config_.max_model_len) return FinishReason::kMaxModelLen;  // (8.8)
+  return FinishReason::kNone;
+}
+
+void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs& out,
+                                 int32_t width) {
+  const int32_t slot = b.request_slots[row];
+  Request& r = requests_[slot];
+  --r.num_inflight;
+  if (r.status == RequestStatus::kFinished) {  // finished meanwhile: this output is discarded
+    release_slot_if_done(slot);
+    return;
+  }
+  const bool running = r.status == RequestStatus::kRunning;
+  int32_t accepted = 1;
+  if (b.is_prefill) {
+    // Publish the blocks this chunk completed, now that their KV exists. A preempted request's
+    // blocks are gone, so there is nothing to publish.
+    if (running && config_.enable_prefix_caching) {
+      const int32_t bs = config_.block_size;
+      const int32_t start = b.num_cached_tokens[row];
+      const int32_t first = start / bs;
+      const int32_t end = (start + b.num_scheduled_tokens[row]) / bs;
+      if (first < end) {
+        ensure_block_hashes(r, end);
+        pool_.publish(r.block_table, r.block_hashes, r.tokens, first, end);
+      }
+    }
+    if (!b.emits_token[row]) return;  // an intermediate chunk samples garbage
+  } else {
+    if (!out.num_accepted.empty()) accepted = out.num_accepted[row];
+    // Roll back the upper bound by the rejected drafts (a preempted request restarts from 0).
+    if (running) r.num_computed_tokens -= (k_ + 1) - accepted;
+    if (k_ > 0) {
+      ++stats_.num_spec_steps;
+      stats_.num_draft_tokens += k_;
+      stats_.num_accepted_draft_tokens += accepted - 1;
+      ++stats_.acceptance_counts[accepted - 1];
+    }
+  }
+  if (k_ > 0 && running)
+    std::copy_n(out.draft_token_ids.begin() + static_cast<size_t>(row) * k_, k_, r.drafts.begin());
+
+  // Append the accepted tokens one by one; the earliest stop wins and later tokens are dropped.
+  const int32_t* sampled = out.sampled_token_ids.data() + static_cast<size_t>(row) * width;
+  FinishReason reason = FinishReason::kNone;
+  int32_t stop_token = -1;
+  int32_t kept = 0;
+  while (kept < accepted && reason == FinishReason::kNone) {
+    r.tokens.push_back(sampled[kept++]);
+    reason = stop_reason(r, stop_token);
+  }
+  StepOutput& so = step_output_;
+  so.req_ids.push_back(r.id);
+  so.new_tokens.insert(so.new_tokens.end(), sampled, sampled + kept);
+  if (!out.logprobs.empty()) {
+    const float* lp = out.logprobs.data() + static_cast<size_t>(row) * width;
+    so.new_logprobs.insert(so.new_logprobs.end(), lp, lp + kept);
+  }
+  so.token_offsets.push_back(static_cast<int32_t>(so.new_tokens.size()));
+  so.finish_reasons.push_back(reason);
+  so.stop_tokens.push_back(stop_token);
+  so.prefix_hit_tokens.push_back(r.prefix_hit_tokens);
+  if (reason != FinishReason::kNone) finish(slot, reason, stop_token);
+}
+
+const StepOutput& Scheduler::update(uint64_t batch_id, const ModelOutputs& out) {
+  if (num_outstanding_ == 0)
+    throw InvalidArgument("update(): no batch is outstanding (batch " + std::to_string(batch_id) +
+                          " was already updated or never scheduled)");
+  const int32_t oldest = (next_buffer_ - num_outstanding_ + kMaxOutstandingBatches) %
+                         kMaxOutstandingBatches;
+  const Batch& b = batches_[oldest];
+  if (b.id != batch_id)
+    throw InvalidArgument("update() must receive the oldest outstanding batch (id " +
+                          std::to_string(b.id) + "), got batch " + std::to_string(batch_id));
+  validate_outputs(b, out);
+  step_output_.clear();
+  step_output_.batch_id = b.id;
+  const int32_t width =
+      b.num_rows > 0 ? static_cast<int32_t>(out.sampled_token_ids.size()) / b.num_rows : 1;
+  for (int32_t row = 0; row < b.num_rows; ++row) apply_row_output(b, row, out, width);
+  --num_outstanding_;
+  return step_output_;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Invariants
+
+void Scheduler::check_invariants() const {
+  const int32_t bs = config_.block_size;
+  std::vector<int32_t> refs(pool_.num_blocks(), 0);
+  std::vector<int32_t> inflight(requests_.size(), 0);
+  for (int32_t i = 0; i < num_outstanding_; ++i) {
+    const Batch& b = batches_[(next_buffer_ - num_outstanding_ + i + kMaxOutstandingBatches) %
+                              kMaxOutstandingBatches];
+    check(b.num_rows <= config_.max_num_seqs, "batch has more rows than max_num_seqs");
+    check(b.num_tokens <= config_.max_num_batched_tokens, "batch exceeds the token budget");
+    for (int32_t row = 0; row < b.num_rows; ++row) ++inflight[b.request_slots[row]];
+  }
+  int32_t live = 0, partial = 0;
+  std::vector<uint8_t> seen_in_table(pool_.num_blocks(), 0);
+  for (size_t s = 0; s < requests_.size(); ++s) {
+    const Request& r = requests_[s];
+    const std::string who = "request " + id_str(r.id) + ": ";
+    check(r.num_inflight == inflight[s], who + "in-flight count disagrees with the batches");
+    if (!r.in_use) continue;
+    if (r.status == RequestStatus::kFinished) {
+      check(r.block_table.empty(), who + "finished but holds blocks");
+      check(r.num_inflight > 0, who + "finished slot not released");
+      continue;
+    }
+    ++live;
+    check(slot_of(r.id) == static_cast<int32_t>(s), who + "id map disagrees");
+    check(r.num_tokens() >= r.num_prompt_tokens, who + "lost prompt tokens");
+    if (r.status == RequestStatus::kWaiting) {
+      check(r.block_table.empty() && r.state_slot < 0, who + "waiting but holds KV");
+      check(r.num_computed_tokens == 0, who + "waiting with computed tokens");
+      continue;
+    }
+    partial += r.is_partial_prefill();
+    check(r.num_computed_tokens <= r.num_tokens() + r.num_inflight * (k_ + 1),
+          who + "computed tokens beyond what is known or in flight");
+    check(static_cast<int32_t>(r.block_table.size()) >= ceil_div(r.num_computed_tokens, bs),
+          who + "block table does not cover the computed tokens");
+    check(static_cast<int32_t>(r.block_table.size()) <= table_width_,
+          who + "block table wider than a batch row");
+    check((r.state_slot >= 0) == (config_.num_state_slots > 0), who + "state slot mismatch");
+    for (int32_t blk : r.block_table) {
+      check(blk >= 0 && blk < pool_.num_blocks(), who + "block id out of range");
+      check(!seen_in_table[blk], who + "holds block " + std::to_string(blk) + " twice");
+      seen_in_table[blk] = 1;
+      ++refs[blk];
+    }
+    for (int32_t blk : r.block_table) seen_in_table[blk] = 0;
+  }
+  check(live == static_cast<int32_t>(slot_by_id_.size()), "id map holds dead requests");
+  check(partial == num_partial_, "partial prefill count is off");
+  check(running_.size <= config_.max_num_seqs, "running set exceeds max_num_seqs");
+  auto walk = [&](const List& l, RequestStatus status, const char* name) {
+    int32_t count = 0, prev = -1;
+    for (int32_t s = l.head; s >= 0; s = requests_[s].list_next) {
+      check(requests_[s].in_use && requests_[s].status == status,
+            std::string(name) + " list holds a request in another state");
+      check(requests_[s].list_prev == prev, std::string(name) + " list back link broken");
+      prev = s;
+      check(++count <= static_cast<int32_t>(requests_.size()), std::string(name) + " list cycles");
+    }
+    check(prev == l.tail && count == l.size, std::string(name) + " list size or tail is wrong");
+  };
+  walk(waiting_, RequestStatus::kWaiting, "waiting");
+  walk(running_, RequestStatus::kRunning, "running");
+  check(waiting_.size + running_.size == live, "a live request is in no queue");
+  pool_.check_invariants(refs);
+}
+
+}  // namespace atom_sched
