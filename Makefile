@@ -22,9 +22,10 @@ ASAN_DIR := build/asan
 CMAKE_COMMON := -G Ninja -DATOM_SCHED_BUILD_TESTS=ON -DATOM_SCHED_BUILD_PYTHON=OFF
 SANITIZER_ENV := ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
 
-.PHONY: help venv install build-cpp test-cpp build-asan test-asan test-python test bench clean distclean
+.PHONY: help venv install demo build-cpp test-cpp build-asan test-asan test-python test bench clean distclean
 
 help:
+	@echo "make demo          build, install and run the toy engine loop"
 	@echo "make test          all suites: C++ (Release), C++ under ASan+UBSan, Python"
 	@echo "make test-cpp      GoogleTest suites, Release build in $(CPP_DIR)"
 	@echo "make test-asan     GoogleTest suites with ASan+UBSan in $(ASAN_DIR)"
@@ -75,6 +76,11 @@ test-python: install
 	cd tests/python && $(VPY) -m pytest -q .
 
 test: test-cpp test-asan test-python
+
+# The toy engine loop (examples/toy_engine.py): continuous batching, chunked prefill, prefix
+# caching and preemption driven by a stand-in model.
+demo: install
+	cd examples && $(VPY) toy_engine.py --spec 2 --async
 
 bench: install
 	$(VENV)/bin/atom-sched bench

@@ -397,6 +397,9 @@ class Driver:
         self.batches: list[BatchRecord] = []
         self.iterations = 0
         self.max_running = 0
+        # Optional callbacks (fault injection): fn(driver, batch, outputs, record).
+        self.pre_update: Callable[..., None] | None = None
+        self.post_update: Callable[..., None] | None = None
 
     # -- requests -------------------------------------------------------------------------------
     def add(
@@ -477,9 +480,13 @@ class Driver:
 
     def update(self) -> Any:
         b, outputs, rec = self.pending.popleft()
+        if self.pre_update is not None:
+            self.pre_update(self, b, outputs, rec)
         so = self.sched.update(b, **outputs)
         self._check()
         self._record(so, rec)
+        if self.post_update is not None:
+            self.post_update(self, b, outputs, rec)
         return so
 
     def step(self, allow_prefill: bool = True) -> bool:

@@ -20,7 +20,7 @@ def test_imports_compiled_module_from_installed_package() -> None:
     core = Path(atom_sched._core.__file__)
     assert core.name.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
     assert core.parent == Path(atom_sched.__file__).parent
-    assert atom_sched.__all__ == ["block_hash"]
+    assert "block_hash" in atom_sched.__all__
 
 
 def test_atom_vectors() -> None:

@@ -1,0 +1,431 @@
+"""Bad input: every documented error gets its exception type and leaves the scheduler unchanged.
+
+docs/api.md: "Every error leaves the scheduler unchanged." Each test here checks the documented
+exception type, that the externally visible state (queues, free blocks, outstanding batches,
+stats) is the same before and after the failed call, and, where the call happens in the middle of a
+run, that the run then produces exactly the outputs of a run without the bad call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from conftest import (
+    EOS,
+    Driver,
+    make_config,
+    make_driver,
+    prompt,
+    require_scheduler,
+    sp,
+    state_snapshot,
+)
+
+require_scheduler()
+
+from atom_sched import SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
+
+BASE_CFG: dict[str, Any] = dict(
+    num_blocks=24,
+    block_size=4,
+    max_num_batched_tokens=16,
+    max_num_seqs=4,
+    max_model_len=64,
+    eos_token_id=EOS,
+)
+REQUESTS = [
+    (0, prompt(6), dict(max_tokens=6)),
+    (1, prompt(10, 200), dict(max_tokens=4)),
+    (2, prompt(3, 400), dict(max_tokens=8, logprobs=True)),
+]
+
+
+def new_driver(mode: str = "sync", k: int = 0) -> Driver:
+    d = make_driver(mode, num_speculative_tokens=k, **BASE_CFG)
+    d.model.logprobs = True
+    for rid, p, kw in REQUESTS:
+        d.add(rid, p, sp(**kw))
+    return d
+
+
+_REFERENCE: dict[tuple[str, int], Driver] = {}
+
+
+def reference(mode: str, k: int) -> Driver:
+    if (mode, k) not in _REFERENCE:
+        _REFERENCE[(mode, k)] = new_driver(mode, k).run()
+    return _REFERENCE[(mode, k)]
+
+
+def assert_same_run(d: Driver, ref: Driver) -> None:
+    d.check_all_done()
+    assert d.results() == ref.results()
+    assert dict(d.logprobs) == dict(ref.logprobs)
+    assert state_snapshot(d.sched) == state_snapshot(ref.sched)
+    assert [r.summary() for r in d.batches] == [r.summary() for r in ref.batches]
+
+
+def expect_unchanged(sched: Scheduler, exc: type[BaseException], fn: Callable[[], Any]) -> None:
+    before = state_snapshot(sched)
+    with pytest.raises(exc):
+        fn()
+    assert state_snapshot(sched) == before, "a failed call changed the scheduler"
+    sched.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+
+BAD_CONFIGS = [
+    (dict(num_blocks=0), "num_blocks"),
+    (dict(num_blocks=-3), "num_blocks"),
+    (dict(block_size=0), "block_size"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (dict(max_model_len=0), "max_model_len"),
+    (dict(num_speculative_tokens=9), "num_speculative_tokens"),
+    (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
+    (dict(num_speculative_tokens=3, max_num_batched_tokens=3), "max_num_batched_tokens"),
+    (dict(scheduler_delay_factor=-0.5), "scheduler_delay_factor"),
+    (dict(num_state_slots=-1), "num_state_slots"),
+    (dict(eos_token_id=-2), "eos_token_id"),
+    (dict(stop_token_ids=[3, -1]), "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize(("kw", "field"), BAD_CONFIGS, ids=[f for _, f in BAD_CONFIGS])
+def test_invalid_config_is_value_error_naming_the_field(kw: dict, field: str) -> None:
+    full = dict(num_blocks=8)
+    full.update(kw)
+    with pytest.raises(ValueError, match=field):
+        Scheduler(SchedulerConfig(**full))
+
+
+def test_config_limits_that_are_valid() -> None:
+    Scheduler(SchedulerConfig(num_blocks=1, block_size=1, max_num_seqs=1,
+                              max_num_batched_tokens=9, max_model_len=1,
+                              num_speculative_tokens=8))
+    Scheduler(SchedulerConfig(num_blocks=1, num_speculative_tokens=3, max_num_batched_tokens=4))
+    Scheduler(SchedulerConfig(num_blocks=1, eos_token_id=0, stop_token_ids=[0]))
+
+
+def test_config_wrong_type_is_type_error() -> None:
+    with pytest.raises(TypeError):
+        SchedulerConfig(num_blocks="8")
+    c = SchedulerConfig(num_blocks=8)
+    with pytest.raises(TypeError):
+        c.block_size = "16"
+    with pytest.raises(TypeError):
+        Scheduler("not a config")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling parameters
+# ---------------------------------------------------------------------------------------------
+
+BAD_SAMPLING = [
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_p=-0.1), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=-2), "top_k"),
+    (dict(n=0), "n"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-1), "max_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop_token_sequences=[[]]), "stop_token_sequences"),
+    (dict(stop_token_sequences=[[1, -2]]), "stop_token_sequences"),
+]
+
+
+@pytest.mark.parametrize(("kw", "field"), BAD_SAMPLING, ids=[str(k) for k, _ in BAD_SAMPLING])
+def test_invalid_sampling_params(kw: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+def test_sampling_params_valid_limits() -> None:
+    SamplingParams(top_p=1.0, top_k=1, temperature=0.0, max_tokens=1, n=2)
+    SamplingParams(top_p=1e-6, top_k=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# add_request / abort_request
+# ---------------------------------------------------------------------------------------------
+
+BAD_PROMPTS = [
+    ("empty list", [], ValueError),
+    ("empty array", np.array([], dtype=np.int32), ValueError),
+    ("float list", [1.5, 2.0], TypeError),
+    ("float array", np.array([1.0, 2.0]), TypeError),
+    ("str tokens", ["a", "b"], TypeError),
+    ("str prompt", "abc", TypeError),
+    ("None token", [1, None], TypeError),
+    ("negative token", [3, -1], ValueError),
+    ("negative token array", np.array([3, -1], dtype=np.int64), ValueError),
+    ("token 2**31", [5, 2**31], ValueError),
+    ("token 2**31 array", np.array([5, 2**31], dtype=np.int64), ValueError),
+    # A 2-D array is neither "a sequence of ints" nor a 1-D integer array: docs/api.md does not
+    # pin TypeError vs ValueError for it, so either is accepted.
+    ("2-D array", np.array([[1, 2], [3, 4]], dtype=np.int32), (TypeError, ValueError)),
+    ("2-D list", [[1, 2], [3, 4]], (TypeError, ValueError)),
+]
+
+
+@pytest.mark.parametrize(("what", "bad", "exc"), BAD_PROMPTS, ids=[w for w, _, _ in BAD_PROMPTS])
+def test_bad_prompt(what: str, bad: Any, exc: Any) -> None:
+    d = new_driver()
+    d.schedule()
+    d.update()
+    expect_unchanged(d.sched, exc, lambda: d.sched.add_request(50, bad))
+    with pytest.raises(KeyError):
+        d.sched.request_state(50)
+    d.run()
+    assert_same_run(d, reference("sync", 0))
+
+
+BAD_CALLS = [
+    ("duplicate live id", lambda s: s.add_request(0, prompt(3)), ValueError),
+    ("negative id", lambda s: s.add_request(-1, prompt(3)), ValueError),
+    ("str id", lambda s: s.add_request("x", prompt(3)), TypeError),
+    ("n > 1", lambda s: s.add_request(51, prompt(3), SamplingParams(n=2)), ValueError),
+    ("params of the wrong type", lambda s: s.add_request(52, prompt(3), {"n": 1}), TypeError),
+    ("abort unknown id", lambda s: s.abort_request(99), KeyError),
+    ("abort negative id", lambda s: s.abort_request(-5), KeyError),
+]
+
+
+@pytest.mark.parametrize(("what", "call", "exc"), BAD_CALLS, ids=[w for w, _, _ in BAD_CALLS])
+def test_bad_request_calls(what: str, call: Callable, exc: Any) -> None:
+    d = new_driver()
+    d.schedule()
+    d.update()
+    expect_unchanged(d.sched, exc, lambda: call(d.sched))
+    d.run()
+    assert_same_run(d, reference("sync", 0))
+
+
+def test_duplicate_id_while_waiting() -> None:
+    s = Scheduler(make_config(**BASE_CFG))
+    s.add_request(7, prompt(3))
+    expect_unchanged(s, ValueError, lambda: s.add_request(7, prompt(4)))
+    assert s.num_waiting == 1
+
+
+def test_abort_of_finished_request_is_key_error() -> None:
+    d = new_driver()
+    tried: set[int] = set()
+
+    def hook(dr: Driver, it: int) -> bool:
+        for rid in list(dr.reasons):
+            if rid not in tried:
+                tried.add(rid)
+                expect_unchanged(dr.sched, KeyError, lambda r=rid: dr.sched.abort_request(r))
+        return False
+
+    d.run(hook=hook)
+    assert tried == {0, 1, 2}
+    assert_same_run(d, reference("sync", 0))
+
+
+def test_prompt_longer_than_max_model_len_is_rejected_not_raised() -> None:
+    d = new_driver()
+    d.add(60, prompt(65))
+    assert d.sched.num_waiting == 4
+    d.run()
+    assert d.rejected == {
+        60: "unschedulable: input tokens=65 > max_model_len=64. Increase --max-model-len or "
+        "shorten the prompt."
+    }
+    assert 60 not in d.tokens or d.tokens[60] == []
+    assert {r: d.results()[r] for r in (0, 1, 2)} == reference("sync", 0).results()
+
+
+# ---------------------------------------------------------------------------------------------
+# schedule / update
+# ---------------------------------------------------------------------------------------------
+
+
+def test_schedule_with_two_batches_outstanding() -> None:
+    d = new_driver("async")
+    calls = []
+
+    def pre(dr: Driver, b: Any, outputs: dict, rec: Any) -> None:
+        assert dr.sched.num_outstanding_batches == 2
+        calls.append(b)
+        expect_unchanged(dr.sched, ValueError, lambda: dr.sched.schedule())
+
+    d.pre_update = pre
+    d.run()
+    assert calls
+    assert_same_run(d, reference("async", 0))
+
+
+def test_update_with_a_batch_that_is_not_the_oldest() -> None:
+    d = new_driver("async")
+    calls = []
+
+    def pre(dr: Driver, b: Any, outputs: dict, rec: Any) -> None:
+        if not dr.pending:
+            return
+        newer, newer_out, _ = dr.pending[0]
+        calls.append(1)
+        expect_unchanged(dr.sched, ValueError, lambda: dr.sched.update(newer, **newer_out))
+
+    d.pre_update = pre
+    d.run()
+    assert calls
+    assert_same_run(d, reference("async", 0))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_update_twice_with_the_same_batch(mode: str) -> None:
+    d = new_driver(mode)
+
+    def post(dr: Driver, b: Any, outputs: dict, rec: Any) -> None:
+        expect_unchanged(dr.sched, ValueError, lambda: dr.sched.update(b, **outputs))
+
+    d.post_update = post
+    d.run()
+    assert_same_run(d, reference(mode, 0))
+
+
+def _emitting_row(rec: Any) -> int | None:
+    for i, e in enumerate(rec.emits_token):
+        if e:
+            return i
+    return None
+
+
+def _faults_k0(b: Any, out: dict, rec: Any) -> list[tuple[str, dict, Any]]:
+    n = rec.num_rows
+    s = np.asarray(out["sampled_token_ids"])
+    faults: list[tuple[str, dict, Any]] = [
+        ("one row too many", dict(out, sampled_token_ids=np.zeros(n + 1, np.int32)), ValueError),
+        ("no rows", dict(out, sampled_token_ids=np.zeros(0, np.int32)), ValueError),
+        ("float64 tokens", dict(out, sampled_token_ids=s.astype(np.float64)), TypeError),
+        ("float32 tokens", dict(out, sampled_token_ids=s.astype(np.float32)), TypeError),
+        ("width 2 when K=0", dict(out, sampled_token_ids=np.zeros((n, 2), np.int32)), ValueError),
+        ("3-D tokens", dict(out, sampled_token_ids=np.zeros((n, 1, 1), np.int32)), ValueError),
+        ("None tokens", dict(out, sampled_token_ids=None), TypeError),
+        ("logprobs wrong shape", dict(out, logprobs=np.zeros(n + 1, np.float32)), ValueError),
+        ("logprobs int dtype", dict(out, logprobs=np.zeros(n, np.int32)), TypeError),
+    ]
+    if n > 1:
+        faults.append(
+            ("one row too few", dict(out, sampled_token_ids=np.zeros(n - 1, np.int32)), ValueError)
+        )
+    i = _emitting_row(rec)
+    if i is not None:
+        neg = s.copy()
+        neg[i] = -7
+        faults.append(("negative accepted token", dict(out, sampled_token_ids=neg), ValueError))
+    return faults
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_bad_update_outputs_k0(mode: str) -> None:
+    d = new_driver(mode)
+    seen: list[str] = []
+
+    def pre(dr: Driver, b: Any, outputs: dict, rec: Any) -> None:
+        for what, bad, exc in _faults_k0(b, outputs, rec):
+            seen.append(what)
+            try:
+                expect_unchanged(dr.sched, exc, lambda bad=bad: dr.sched.update(b, **bad))
+            except AssertionError as e:  # name the fault in the failure
+                raise AssertionError(f"{what} (batch {rec.id}, prefill={rec.is_prefill}): {e}")
+
+    d.pre_update = pre
+    d.run()
+    assert "negative accepted token" in seen
+    assert_same_run(d, reference(mode, 0))
+
+
+def _faults_k(b: Any, out: dict, rec: Any, k: int) -> list[tuple[str, dict, Any]]:
+    n = rec.num_rows
+    s = np.asarray(out["sampled_token_ids"])
+    drafts = np.asarray(out["draft_token_ids"])
+    faults: list[tuple[str, dict, Any]] = [
+        ("drafts missing", {kk: v for kk, v in out.items() if kk != "draft_token_ids"},
+         ValueError),
+        ("drafts wrong width", dict(out, draft_token_ids=np.zeros((n, k + 1), np.int32)),
+         ValueError),
+        ("drafts wrong rows", dict(out, draft_token_ids=np.zeros((n + 1, k), np.int32)),
+         ValueError),
+        ("drafts float64", dict(out, draft_token_ids=drafts.astype(np.float64)), TypeError),
+        ("tokens 1-D when K>0", dict(out, sampled_token_ids=s[:, 0].copy()), ValueError),
+        ("tokens width K", dict(out, sampled_token_ids=s[:, :k].copy()), ValueError),
+        ("tokens width K+2", dict(out, sampled_token_ids=np.zeros((n, k + 2), np.int32)),
+         ValueError),
+        ("tokens float64", dict(out, sampled_token_ids=s.astype(np.float64)), TypeError),
+        ("logprobs wrong width", dict(out, logprobs=np.zeros((n, k), np.float32)), ValueError),
+    ]
+    acc = out.get("num_accepted")
+    if rec.is_prefill:
+        twos = np.full(n, 2, np.int32)
+        faults.append(("prefill with num_accepted 2", dict(out, num_accepted=twos), ValueError))
+    else:
+        assert acc is not None
+        without = {kk: v for kk, v in out.items() if kk != "num_accepted"}
+        faults += [
+            ("num_accepted missing", without, ValueError),
+            ("num_accepted 0", dict(out, num_accepted=np.where(np.arange(n) == 0, 0, acc)
+                                    .astype(np.int32)), ValueError),
+            ("num_accepted K+2", dict(out, num_accepted=np.where(np.arange(n) == 0, k + 2, acc)
+                                      .astype(np.int32)), ValueError),
+            ("num_accepted -1", dict(out, num_accepted=np.full(n, -1, np.int32)), ValueError),
+            ("num_accepted float", dict(out, num_accepted=acc.astype(np.float64)), TypeError),
+            ("num_accepted wrong length", dict(out, num_accepted=np.ones(n + 1, np.int32)),
+             ValueError),
+        ]
+        # A negative token among the accepted ones of row 0.
+        a0 = int(acc[0])
+        neg = s.copy()
+        neg[0, a0 - 1] = -1
+        faults.append(("negative accepted token", dict(out, sampled_token_ids=neg), ValueError))
+    return faults
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_bad_update_outputs_with_drafts(mode: str) -> None:
+    k = 2
+    d = new_driver(mode, k)
+    seen: set[str] = set()
+
+    def pre(dr: Driver, b: Any, outputs: dict, rec: Any) -> None:
+        for what, bad, exc in _faults_k(b, outputs, rec, k):
+            seen.add(what)
+            try:
+                expect_unchanged(dr.sched, exc, lambda bad=bad: dr.sched.update(b, **bad))
+            except AssertionError as e:
+                raise AssertionError(f"{what} (batch {rec.id}, prefill={rec.is_prefill}): {e}")
+
+    d.pre_update = pre
+    d.run()
+    assert {"num_accepted 0", "num_accepted K+2", "drafts missing", "prefill with num_accepted 2",
+            "negative accepted token"} <= seen
+    assert_same_run(d, reference(mode, k))
+
+
+def test_failed_update_does_not_touch_spec_stats() -> None:
+    """Out-of-range accepted counts are a ValueError, not a crash or a stats update (8.35)."""
+    k = 3
+    d = new_driver("sync", k)
+    d.schedule()
+    d.update()
+    d.schedule()
+    b, out, rec = d.pending[0]
+    before = d.sched.stats()
+    for a in (0, k + 2, 100):
+        bad = dict(out, num_accepted=np.full(rec.num_rows, a, np.int32))
+        expect_unchanged(d.sched, ValueError, lambda bad=bad: d.sched.update(b, **bad))
+    assert d.sched.stats() == before
+    d.update()
+    d.run()
+    assert_same_run(d, reference("sync", k))
