@@ -350,6 +350,20 @@ void bind_scheduler(py::module_& m) {
       .def_property_readonly("state_slots", row_array(&Batch::state_slots))
       .def_property_readonly("emits_token", bool_row_array(&Batch::emits_token))
       .def_property_readonly("row_exact", bool_row_array(&Batch::row_exact))
+      .def_property_readonly("slot_reset", bool_row_array(&Batch::slot_reset))
+      .def_property_readonly("new_block_starts", row_array(&Batch::new_block_starts))
+      .def_property_readonly("new_block_offsets",
+                             [](py::object self) {
+                               const Batch& b = self.cast<const BatchView&>().get();
+                               return readonly_view(self, b.new_block_offsets.data(),
+                                                    {b.num_rows + 1});
+                             })
+      .def_property_readonly("new_block_ids",
+                             [](py::object self) {
+                               const Batch& b = self.cast<const BatchView&>().get();
+                               return readonly_view(self, b.new_block_ids.data(),
+                                                    {b.new_block_offsets[b.num_rows]});
+                             })
       .def_property_readonly("scheduled_tokens", token_array(&Batch::scheduled_tokens))
       .def_property_readonly("positions", token_array(&Batch::positions))
       .def_property_readonly("slot_mapping", token_array(&Batch::slot_mapping))

@@ -63,6 +63,11 @@ Scheduler::Scheduler(SchedulerConfig config)
     b.scheduled_tokens.resize(tokens);
     b.positions.resize(tokens);
     b.slot_mapping.resize(tokens);
+    b.request_index.resize(rows);
+    b.slot_reset.resize(rows);
+    b.new_block_starts.resize(rows);
+    b.new_block_offsets.assign(rows + 1, 0);
+    b.new_block_ids.resize(rows * table_width_);
     b.row_owner.assign(rows, 0);
     b.row_filled.assign(rows, 0);
   }
@@ -73,6 +78,8 @@ Scheduler::Scheduler(SchedulerConfig config)
   step_output_.stop_tokens.reserve(rows);
   step_output_.prefix_hit_tokens.reserve(rows);
   stats_.acceptance_counts.assign(k_ + 1, 0);
+  // Popped from the back: the first admission gets device slot 0.
+  for (int32_t s = config_.max_num_seqs - 1; s >= 0; --s) free_device_slots_.push_back(s);
   slot_by_id_.reserve(rows * 2);
 }
 
@@ -226,11 +233,7 @@ void Scheduler::finish(int32_t slot, FinishReason reason, int32_t stop_token) {
   if (r.is_partial_prefill()) --num_partial_;
   if (r.status == RequestStatus::kWaiting) list_remove(waiting_, slot);
   if (r.status == RequestStatus::kRunning) list_remove(running_, slot);
-  // The blocks may still be written by a batch in flight; they go only to later batches.
-  pool_.free(r.block_table);
-  r.block_table.clear();
-  if (r.state_slot >= 0) pool_.release_state_slot(r.state_slot);
-  r.state_slot = -1;
+  release_kv(r);
   r.status = RequestStatus::kFinished;
   r.finish_reason = reason;
   r.stop_token = stop_token;
@@ -346,6 +349,9 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
     pool_.allocate(r.block_hashes, hits, r.num_tokens(), r.block_table);
     if (needs_state) r.state_slot = pool_.take_state_slot();
     r.epoch = next_epoch_++;
+    r.device_slot = free_device_slots_.back();  // running < max_num_seqs: one is free
+    free_device_slots_.pop_back();
+    r.blocks_shipped = 0;
     r.prefix_hit_tokens = hits * bs;
     r.prefill_target = r.num_tokens();
     if (config_.enable_prefix_caching) {
@@ -392,14 +398,22 @@ void Scheduler::schedule_decodes(Batch& b) {
   }
 }
 
-void Scheduler::preempt(int32_t slot) {
-  Request& r = requests_[slot];
-  if (r.is_partial_prefill()) --num_partial_;
-  list_remove(running_, slot);
+void Scheduler::release_kv(Request& r) {
+  // Blocks and slots may still be written by a batch in flight; they are handed out again only to
+  // batches scheduled later, which run after it on the engine's stream.
   pool_.free(r.block_table);
   r.block_table.clear();
   if (r.state_slot >= 0) pool_.release_state_slot(r.state_slot);
   r.state_slot = -1;
+  if (r.device_slot >= 0) free_device_slots_.push_back(r.device_slot);
+  r.device_slot = -1;
+}
+
+void Scheduler::preempt(int32_t slot) {
+  Request& r = requests_[slot];
+  if (r.is_partial_prefill()) --num_partial_;
+  list_remove(running_, slot);
+  release_kv(r);
   // Only real tokens are ever kept, so nothing needs stripping (ATOM left placeholders, 8.1).
   // Outputs of a batch still in flight are appended when they arrive.
   r.num_computed_tokens = 0;
@@ -451,6 +465,7 @@ void Scheduler::begin_batch(Batch& b, bool is_prefill) {
   b.max_seqlen_k = 0;
   b.cu_seqlens_q[0] = 0;
   b.cu_seqlens_k[0] = 0;
+  b.new_block_offsets[0] = 0;
 }
 
 void Scheduler::fill_block_table_row(Batch& b, int32_t row, const Request& r) {
@@ -470,13 +485,25 @@ void Scheduler::fill_block_table_row(Batch& b, int32_t row, const Request& r) {
   b.row_filled[row] = size;
 }
 
-int32_t Scheduler::begin_row(Batch& b, const Request& r, int32_t slot, int32_t num_tokens) {
+void Scheduler::ship_new_blocks(Batch& b, int32_t row, Request& r) {
+  const int32_t size = static_cast<int32_t>(r.block_table.size());
+  const int32_t out = b.new_block_offsets[row];
+  b.slot_reset[row] = r.blocks_shipped == 0;
+  b.new_block_starts[row] = r.blocks_shipped;
+  std::copy(r.block_table.begin() + r.blocks_shipped, r.block_table.end(),
+            b.new_block_ids.begin() + out);
+  b.new_block_offsets[row + 1] = out + size - r.blocks_shipped;
+  r.blocks_shipped = size;
+}
+
+int32_t Scheduler::begin_row(Batch& b, Request& r, int32_t slot, int32_t num_tokens) {
   const int32_t row = b.num_rows++;
   const int32_t start = r.num_computed_tokens;
   const int32_t end = start + num_tokens;
   const int32_t bs = config_.block_size;
   b.req_ids[row] = r.id;
-  b.request_slots[row] = slot;
+  b.request_index[row] = slot;
+  b.request_slots[row] = r.device_slot;
   b.num_scheduled_tokens[row] = num_tokens;
   b.num_cached_tokens[row] = start;
   b.context_lens[row] = end;
@@ -487,6 +514,7 @@ int32_t Scheduler::begin_row(Batch& b, const Request& r, int32_t slot, int32_t n
   b.state_slots[row] = r.state_slot;
   b.row_exact[row] = r.num_inflight == 0;
   fill_block_table_row(b, row, r);
+  ship_new_blocks(b, row, r);
   const int32_t* table = r.block_table.data();
   for (int32_t i = 0; i < num_tokens; ++i) {
     const int32_t pos = start + i;
@@ -591,7 +619,7 @@ FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const
 
 void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs& out,
                                  int32_t width) {
-  const int32_t slot = b.request_slots[row];
+  const int32_t slot = b.request_index[row];
   Request& r = requests_[slot];
   --r.num_inflight;
   if (r.status == RequestStatus::kFinished) {  // finished meanwhile: this output is discarded
@@ -683,9 +711,14 @@ void Scheduler::check_invariants() const {
                               kMaxOutstandingBatches];
     check(b.num_rows <= config_.max_num_seqs, "batch has more rows than max_num_seqs");
     check(b.num_tokens <= config_.max_num_batched_tokens, "batch exceeds the token budget");
-    for (int32_t row = 0; row < b.num_rows; ++row) ++inflight[b.request_slots[row]];
+    for (int32_t row = 0; row < b.num_rows; ++row) ++inflight[b.request_index[row]];
   }
   int32_t live = 0, partial = 0;
+  std::vector<uint8_t> device_slot_used(config_.max_num_seqs, 0);
+  for (int32_t d : free_device_slots_) {
+    check(d >= 0 && d < config_.max_num_seqs && !device_slot_used[d], "device slot list corrupt");
+    device_slot_used[d] = 1;
+  }
   std::vector<uint8_t> seen_in_table(pool_.num_blocks(), 0);
   for (size_t s = 0; s < requests_.size(); ++s) {
     const Request& r = requests_[s];
@@ -701,7 +734,8 @@ void Scheduler::check_invariants() const {
     check(slot_of(r.id) == static_cast<int32_t>(s), who + "id map disagrees");
     check(r.num_tokens() >= r.num_prompt_tokens, who + "lost prompt tokens");
     if (r.status == RequestStatus::kWaiting) {
-      check(r.block_table.empty() && r.state_slot < 0, who + "waiting but holds KV");
+      check(r.block_table.empty() && r.state_slot < 0 && r.device_slot < 0,
+            who + "waiting but holds KV");
       check(r.num_computed_tokens == 0, who + "waiting with computed tokens");
       continue;
     }
@@ -713,6 +747,12 @@ void Scheduler::check_invariants() const {
     check(static_cast<int32_t>(r.block_table.size()) <= table_width_,
           who + "block table wider than a batch row");
     check((r.state_slot >= 0) == (config_.num_state_slots > 0), who + "state slot mismatch");
+    check(r.device_slot >= 0 && r.device_slot < config_.max_num_seqs &&
+              !device_slot_used[r.device_slot],
+          who + "device slot missing or shared");
+    device_slot_used[r.device_slot] = 1;
+    check(r.blocks_shipped <= static_cast<int32_t>(r.block_table.size()),
+          who + "shipped more blocks than it holds");
     for (int32_t blk : r.block_table) {
       check(blk >= 0 && blk < pool_.num_blocks(), who + "block id out of range");
       check(!seen_in_table[blk], who + "holds block " + std::to_string(blk) + " twice");
@@ -738,6 +778,8 @@ void Scheduler::check_invariants() const {
   walk(waiting_, RequestStatus::kWaiting, "waiting");
   walk(running_, RequestStatus::kRunning, "running");
   check(waiting_.size + running_.size == live, "a live request is in no queue");
+  check(std::count(device_slot_used.begin(), device_slot_used.end(), 1) == config_.max_num_seqs,
+        "a device slot leaked");
   pool_.check_invariants(refs);
 }
 

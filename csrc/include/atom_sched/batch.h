@@ -26,7 +26,7 @@ struct Batch {
 
   // Per row [num_rows].
   std::vector<int64_t> req_ids;
-  std::vector<int32_t> request_slots;  // the scheduler's slot of each request (device state index)
+  std::vector<int32_t> request_slots;  // device state slot of the row's request, 0..max_num_seqs-1
   std::vector<int32_t> num_scheduled_tokens;
   std::vector<int32_t> num_cached_tokens;  // KV positions computed before this row's tokens
   std::vector<int32_t> context_lens;       // num_cached_tokens + num_scheduled_tokens
@@ -42,10 +42,19 @@ struct Batch {
   std::vector<int32_t> cu_seqlens_q;       // [num_rows + 1]
   std::vector<int32_t> cu_seqlens_k;       // [num_rows + 1]
 
+  // The step's plan for persistent per-slot device state (DESIGN.md section 6): applied in batch
+  // order, it brings each slot's device block table up to date with a few ids per step.
+  std::vector<uint8_t> slot_reset;        // [num_rows] 1: the slot starts a new admission
+  std::vector<int32_t> new_block_starts;  // [num_rows] table index of the row's first new block
+  std::vector<int32_t> new_block_offsets; // [num_rows + 1] into new_block_ids
+  std::vector<int32_t> new_block_ids;     // block ids appended to slot tables this step
+
   // Per token [num_tokens].
   std::vector<int32_t> scheduled_tokens;  // input ids; -1 where only the device knows the token
   std::vector<int64_t> positions;
   std::vector<int64_t> slot_mapping;      // block_id * block_size + offset
+
+  std::vector<int32_t> request_index;  // [num_rows] the scheduler's internal request index
 
   // Bookkeeping for the incremental block-table fill: which request (slot, admission epoch) each
   // row of this buffer held last time, and how many of its entries are already written.

@@ -31,6 +31,8 @@ struct Request {
   int32_t num_prompt_tokens = 0;
   int32_t prefix_hit_tokens = 0;    // cache-hit tokens at the last admission
   int32_t state_slot = -1;
+  int32_t device_slot = -1;         // 0..max_num_seqs-1 while admitted
+  int32_t blocks_shipped = 0;       // block-table entries already sent to the device slot
   uint64_t epoch = 0;               // unique per admission (a new block table); 0: never admitted
   int32_t list_prev = -1, list_next = -1;  // links in the waiting or running list
 

@@ -151,13 +151,15 @@ class Scheduler {
   void schedule_prefills(Batch& b, double now);
   void schedule_decodes(Batch& b);
   void preempt(int32_t slot);
+  void release_kv(Request& r);  // blocks, state slot and device slot
   void finish(int32_t slot, FinishReason reason, int32_t stop_token);
 
   // Batch assembly.
   void begin_batch(Batch& b, bool is_prefill);
   void add_prefill_row(Batch& b, int32_t slot, int32_t chunk);
   void add_decode_row(Batch& b, int32_t slot);
-  int32_t begin_row(Batch& b, const Request& r, int32_t slot, int32_t num_tokens);
+  int32_t begin_row(Batch& b, Request& r, int32_t slot, int32_t num_tokens);
+  void ship_new_blocks(Batch& b, int32_t row, Request& r);
   void fill_block_table_row(Batch& b, int32_t row, const Request& r);
   void set_computed(Request& r, int32_t num_computed);  // keeps num_partial_ in step
 
@@ -191,6 +193,7 @@ class Scheduler {
   bool prev_prompt_ = false;
   double last_prompt_latency_ = 0.0;
 
+  std::vector<int32_t> free_device_slots_;  // device state slots not held by an admission
   int32_t num_partial_ = 0;  // running requests whose prefill is not fully scheduled yet
   uint64_t next_epoch_ = 1;
 };
