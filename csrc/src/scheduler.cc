@@ -77,6 +77,7 @@ Scheduler::Scheduler(SchedulerConfig config)
   step_output_.finish_reasons.reserve(rows);
   step_output_.stop_tokens.reserve(rows);
   step_output_.prefix_hit_tokens.reserve(rows);
+  step_output_.new_logprobs.reserve(rows * (k_ + 1));
   stats_.acceptance_counts.assign(k_ + 1, 0);
   // Popped from the back: the first admission gets device slot 0.
   for (int32_t s = config_.max_num_seqs - 1; s >= 0; --s) free_device_slots_.push_back(s);
@@ -90,6 +91,7 @@ int32_t Scheduler::new_slot() {
     return s;
   }
   requests_.emplace_back();
+  links_.emplace_back();
   return static_cast<int32_t>(requests_.size()) - 1;
 }
 
@@ -118,40 +120,40 @@ const Request& Scheduler::request(int64_t id) const {
 // Intrusive lists (waiting, running): O(1) push, pop and removal from the middle.
 
 void Scheduler::list_push_back(List& l, int32_t slot) {
-  Request& r = requests_[slot];
-  r.list_prev = l.tail;
-  r.list_next = -1;
-  (l.tail >= 0 ? requests_[l.tail].list_next : l.head) = slot;
+  Link& r = links_[slot];
+  r.prev = l.tail;
+  r.next = -1;
+  (l.tail >= 0 ? links_[l.tail].next : l.head) = slot;
   l.tail = slot;
   ++l.size;
 }
 
 void Scheduler::list_push_front(List& l, int32_t slot) {
-  Request& r = requests_[slot];
-  r.list_prev = -1;
-  r.list_next = l.head;
-  (l.head >= 0 ? requests_[l.head].list_prev : l.tail) = slot;
+  Link& r = links_[slot];
+  r.prev = -1;
+  r.next = l.head;
+  (l.head >= 0 ? links_[l.head].prev : l.tail) = slot;
   l.head = slot;
   ++l.size;
 }
 
 void Scheduler::list_remove(List& l, int32_t slot) {
-  Request& r = requests_[slot];
-  (r.list_prev >= 0 ? requests_[r.list_prev].list_next : l.head) = r.list_next;
-  (r.list_next >= 0 ? requests_[r.list_next].list_prev : l.tail) = r.list_prev;
-  r.list_prev = r.list_next = -1;
+  Link& r = links_[slot];
+  (r.prev >= 0 ? links_[r.prev].next : l.head) = r.next;
+  (r.next >= 0 ? links_[r.next].prev : l.tail) = r.prev;
+  r.prev = r.next = -1;
   --l.size;
 }
 
 std::vector<int64_t> Scheduler::waiting_ids() const {
   std::vector<int64_t> out;
-  for (int32_t s = waiting_.head; s >= 0; s = requests_[s].list_next) out.push_back(requests_[s].id);
+  for (int32_t s = waiting_.head; s >= 0; s = links_[s].next) out.push_back(requests_[s].id);
   return out;
 }
 
 std::vector<int64_t> Scheduler::running_ids() const {
   std::vector<int64_t> out;
-  for (int32_t s = running_.head; s >= 0; s = requests_[s].list_next) out.push_back(requests_[s].id);
+  for (int32_t s = running_.head; s >= 0; s = links_[s].next) out.push_back(requests_[s].id);
   return out;
 }
 
@@ -209,6 +211,7 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.stop_token_ids.insert(r.stop_token_ids.end(), params.stop_token_ids.begin(),
                           params.stop_token_ids.end());
   r.stop_sequences = params.stop_token_sequences;
+  r.has_stop_lists = !r.stop_token_ids.empty() || !r.stop_sequences.empty();
   r.finish_reason = FinishReason::kNone;
   r.stop_token = -1;
   slot_by_id_[id] = slot;
@@ -298,7 +301,7 @@ bool Scheduler::passed_delay(double now) {
   prev_prompt_ = false;
   if (waiting_.size == 0) return true;
   double oldest = std::numeric_limits<double>::infinity();
-  for (int32_t s = waiting_.head; s >= 0; s = requests_[s].list_next)
+  for (int32_t s = waiting_.head; s >= 0; s = links_[s].next)
     oldest = std::min(oldest, requests_[s].arrival_time);
   return (now - oldest) > config_.scheduler_delay_factor * last_prompt_latency_ ||
          running_.size == 0;
@@ -309,7 +312,7 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
   const int32_t max_rows = config_.max_num_seqs;
 
   // Phase 1: resume partial prefills, in running order.
-  for (int32_t s = running_.head; s >= 0 && num_partial_ > 0; s = requests_[s].list_next) {
+  for (int32_t s = running_.head; s >= 0 && num_partial_ > 0; s = links_[s].next) {
     if (b.num_rows >= max_rows) break;
     const Request& r = requests_[s];
     if (!r.is_partial_prefill()) continue;
@@ -376,7 +379,7 @@ void Scheduler::schedule_decodes(Batch& b) {
     if (b.num_tokens + n > config_.max_num_batched_tokens) break;
     Request& r = requests_[s];
     if (r.is_partial_prefill()) {  // never decode a half-prefilled prompt (8.3)
-      s = r.list_next;
+      s = links_[s].next;
       continue;
     }
     // Exact reservation for this row's positions S .. S+K (ATOM over- or under-reserved, 8.6/8.7).
@@ -394,7 +397,7 @@ void Scheduler::schedule_decodes(Batch& b) {
     }
     if (preempted_self) break;  // s was the tail: nothing after it
     add_decode_row(b, s);
-    s = r.list_next;
+    s = links_[s].next;
   }
 }
 
@@ -497,7 +500,8 @@ void Scheduler::ship_new_blocks(Batch& b, int32_t row, Request& r) {
 }
 
 int32_t Scheduler::begin_row(Batch& b, Request& r, int32_t slot, int32_t num_tokens) {
-  const int32_t row = b.num_rows++;
+  const int32_t row = b.num_rows;
+  const int32_t first = b.num_tokens;
   const int32_t start = r.num_computed_tokens;
   const int32_t end = start + num_tokens;
   const int32_t bs = config_.block_size;
@@ -507,24 +511,34 @@ int32_t Scheduler::begin_row(Batch& b, Request& r, int32_t slot, int32_t num_tok
   b.num_scheduled_tokens[row] = num_tokens;
   b.num_cached_tokens[row] = start;
   b.context_lens[row] = end;
-  b.last_block_num_tokens[row] = end - (ceil_div(end, bs) - 1) * bs;
+  b.last_block_num_tokens[row] = end - ((end - 1) / bs) * bs;
   b.temperatures[row] = r.temperature;
   b.top_ks[row] = r.top_k;
   b.top_ps[row] = r.top_p;
   b.state_slots[row] = r.state_slot;
-  b.row_exact[row] = r.num_inflight == 0;
-  fill_block_table_row(b, row, r);
-  ship_new_blocks(b, row, r);
-  const int32_t* table = r.block_table.data();
-  for (int32_t i = 0; i < num_tokens; ++i) {
-    const int32_t pos = start + i;
-    b.positions[b.num_tokens + i] = pos;
-    b.slot_mapping[b.num_tokens + i] = int64_t{table[pos / bs]} * bs + pos % bs;
-  }
   b.cu_seqlens_q[row + 1] = b.cu_seqlens_q[row] + num_tokens;
   b.cu_seqlens_k[row + 1] = b.cu_seqlens_k[row] + end;
   b.max_seqlen_q = std::max(b.max_seqlen_q, num_tokens);
   b.max_seqlen_k = std::max(b.max_seqlen_k, end);
+  // Positions and slots, walking the block table instead of dividing per token.
+  int64_t* positions = b.positions.data() + first;
+  int64_t* slots = b.slot_mapping.data() + first;
+  const int32_t* table = r.block_table.data();
+  int32_t block = start / bs;
+  int32_t offset = start - block * bs;
+  int64_t base = int64_t{table[block]} * bs;
+  for (int32_t i = 0; i < num_tokens; ++i) {
+    positions[i] = start + i;
+    slots[i] = base + offset;
+    if (++offset == bs && i + 1 < num_tokens) {
+      offset = 0;
+      base = int64_t{table[++block]} * bs;
+    }
+  }
+  fill_block_table_row(b, row, r);
+  ship_new_blocks(b, row, r);
+  b.row_exact[row] = r.num_inflight == 0;
+  b.num_rows = row + 1;
   return row;
 }
 
@@ -600,6 +614,12 @@ void Scheduler::validate_outputs(const Batch& b, const ModelOutputs& out) const 
 FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const {
   const int32_t tok = r.tokens.back();
   const int32_t generated = r.num_generated();
+  if (!r.has_stop_lists) {
+    if (!r.ignore_eos && tok == config_.eos_token_id) return FinishReason::kEos;
+    if (generated >= r.max_tokens) return FinishReason::kMaxTokens;
+    if (r.num_tokens() >= config_.max_model_len) return FinishReason::kMaxModelLen;
+    return FinishReason::kNone;
+  }
   for (const auto& seq : r.stop_sequences) {
     const int32_t len = static_cast<int32_t>(seq.size());
     if (generated >= len && std::equal(seq.begin(), seq.end(), r.tokens.end() - len))
@@ -667,10 +687,10 @@ void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs
   }
   StepOutput& so = step_output_;
   so.req_ids.push_back(r.id);
-  so.new_tokens.insert(so.new_tokens.end(), sampled, sampled + kept);
+  for (int32_t j = 0; j < kept; ++j) so.new_tokens.push_back(sampled[j]);
   if (!out.logprobs.empty()) {
     const float* lp = out.logprobs.data() + static_cast<size_t>(row) * width;
-    so.new_logprobs.insert(so.new_logprobs.end(), lp, lp + kept);
+    for (int32_t j = 0; j < kept; ++j) so.new_logprobs.push_back(lp[j]);
   }
   so.token_offsets.push_back(static_cast<int32_t>(so.new_tokens.size()));
   so.finish_reasons.push_back(reason);
@@ -766,10 +786,10 @@ void Scheduler::check_invariants() const {
   check(running_.size <= config_.max_num_seqs, "running set exceeds max_num_seqs");
   auto walk = [&](const List& l, RequestStatus status, const char* name) {
     int32_t count = 0, prev = -1;
-    for (int32_t s = l.head; s >= 0; s = requests_[s].list_next) {
+    for (int32_t s = l.head; s >= 0; s = links_[s].next) {
       check(requests_[s].in_use && requests_[s].status == status,
             std::string(name) + " list holds a request in another state");
-      check(requests_[s].list_prev == prev, std::string(name) + " list back link broken");
+      check(links_[s].prev == prev, std::string(name) + " list back link broken");
       prev = s;
       check(++count <= static_cast<int32_t>(requests_.size()), std::string(name) + " list cycles");
     }

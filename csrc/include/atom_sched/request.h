@@ -19,12 +19,17 @@ namespace atom_sched {
 
 enum class RequestStatus : uint8_t { kWaiting, kRunning, kFinished };
 
-struct Request {
-  // Hot fields first: the decode loop reads these every step.
+struct alignas(64) Request {
+  // Hot fields first, packed into the cache lines a decode step touches (schedule + update);
+  // the queue links live outside, in Scheduler::links_, so walking the running list does not
+  // pull every request's cache lines into a serial chain of misses.
   int64_t id = -1;
+  uint64_t epoch = 0;               // unique per admission (a new block table); 0: never admitted
   RequestStatus status = RequestStatus::kFinished;
   bool in_use = false;        // the slot holds a request (possibly finished, awaiting in-flight outputs)
-  bool preempted = false;     // was preempted at least once since its last admission
+  bool preempted = false;     // was preempted at least once since it was added
+  bool ignore_eos = false;
+  bool has_stop_lists = false;      // stop_token_ids or stop_sequences non-empty
   int32_t num_computed_tokens = 0;  // S
   int32_t prefill_target = 0;       // tokens to prefill at this admission (R when admitted)
   int32_t num_inflight = 0;
@@ -33,23 +38,19 @@ struct Request {
   int32_t state_slot = -1;
   int32_t device_slot = -1;         // 0..max_num_seqs-1 while admitted
   int32_t blocks_shipped = 0;       // block-table entries already sent to the device slot
-  uint64_t epoch = 0;               // unique per admission (a new block table); 0: never admitted
-  int32_t list_prev = -1, list_next = -1;  // links in the waiting or running list
-
-  // Sampling.
+  int32_t max_tokens = 0;
   float temperature = 1.0f;
   int32_t top_k = -1;
   float top_p = 1.0f;
-  int32_t max_tokens = 0;
-  bool ignore_eos = false;
-  double arrival_time = 0.0;
-
   std::vector<int32_t> tokens;        // R real tokens
   std::vector<int32_t> block_table;   // KV block ids
-  std::vector<uint64_t> block_hashes; // chain hashes of the leading full blocks of `tokens`
   std::vector<int32_t> drafts;        // K drafts proposed with the last output (sync protocol)
   std::vector<int32_t> stop_token_ids;
   std::vector<std::vector<int32_t>> stop_sequences;
+
+  // Cold fields.
+  std::vector<uint64_t> block_hashes; // chain hashes of the leading full blocks of `tokens`
+  double arrival_time = 0.0;
   FinishReason finish_reason = FinishReason::kNone;
   int32_t stop_token = -1;
 

@@ -132,6 +132,9 @@ class Scheduler {
   struct List {  // intrusive doubly linked list over request slots
     int32_t head = -1, tail = -1, size = 0;
   };
+  struct Link {  // a request slot's neighbours in its list; -1 ends it
+    int32_t prev = -1, next = -1;
+  };
 
   // Request slots and id lookup.
   int32_t new_slot();
@@ -175,6 +178,7 @@ class Scheduler {
   BlockPool pool_;
 
   std::vector<Request> requests_;  // slots; reused
+  std::vector<Link> links_;        // [slot]: waiting/running list links, kept apart (compact)
   std::vector<int32_t> free_slots_;
   std::unordered_map<int64_t, int32_t> slot_by_id_;  // live requests only
   List waiting_, running_;
