@@ -18,9 +18,13 @@ See docs/api.md for the full contract. The short version::
 
 from ._core import (
     Batch,
+    ConnectorRequest,
+    DeviceError,
     InvariantError,
+    KVConnector,
     KVEvent,
     RejectedRequest,
+    RemoteMatch,
     RequestOutput,
     SamplingParams,
     Scheduler,
@@ -28,14 +32,22 @@ from ._core import (
     StepOutput,
     block_hash,
 )
+from .device import AcceptResult, DeviceBatchBuilder, DeviceInputs
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AcceptResult",
     "Batch",
+    "ConnectorRequest",
+    "DeviceBatchBuilder",
+    "DeviceError",
+    "DeviceInputs",
     "InvariantError",
+    "KVConnector",
     "KVEvent",
     "RejectedRequest",
+    "RemoteMatch",
     "RequestOutput",
     "SamplingParams",
     "Scheduler",

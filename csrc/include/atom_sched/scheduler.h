@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -26,6 +27,7 @@
 #include "atom_sched/batch.h"
 #include "atom_sched/block_pool.h"
 #include "atom_sched/config.h"
+#include "atom_sched/kv_connector.h"
 #include "atom_sched/request.h"
 #include "atom_sched/step_output.h"
 
@@ -35,7 +37,7 @@ inline constexpr int32_t kMaxOutstandingBatches = 2;
 
 /// The sampled outputs of one batch, row-aligned with it. Spans are not retained.
 struct ModelOutputs {
-  /// [num_rows, W] row-major with W = 1 when K == 0, else K + 1. Row i's first
+  /// [num_rows, K + 1] row-major (prefill batches too). Row i's first
   /// num_accepted[i] entries are its accepted tokens (the rest is ignored). A row that does not
   /// emit a token (a prefill chunk that does not finish its prompt) is ignored entirely.
   std::span<const int32_t> sampled_token_ids;
@@ -60,6 +62,8 @@ struct SchedulerStats {
   int64_t num_finished = 0;
   int64_t num_aborted = 0;
   int64_t num_rejected = 0;
+  int64_t num_remote_prefills = 0;   // requests whose prompt KV came from a remote prefill
+  int64_t num_connector_errors = 0;
 
   [[nodiscard]] double prefix_hit_rate() const noexcept;
   [[nodiscard]] double acceptance_rate() const noexcept;  // accepted drafts / drafts
@@ -100,6 +104,25 @@ class Scheduler {
   [[nodiscard]] std::vector<RejectedRequest> take_rejected();
   /// KV events recorded since the last call.
   [[nodiscard]] std::vector<KvEvent> take_events() { return pool_.take_events(); }
+  /// Attaches a KV connector (nullptr detaches it); see kv_connector.h for the call order.
+  void set_kv_connector(std::shared_ptr<KvConnector> connector) { connector_ = std::move(connector); }
+  [[nodiscard]] const std::shared_ptr<KvConnector>& kv_connector() const { return connector_; }
+
+  /// The connector's transfer reports: `finished_recving` requests have their remote KV (they
+  /// join the decode set at the next schedule()), `finished_sending` requests' blocks are freed.
+  /// UnknownRequest / InvalidArgument (state unchanged) for an id that is not waiting for that.
+  void update_from_kv_xfer_finished(std::span<const int64_t> finished_sending,
+                                    std::span<const int64_t> finished_recving);
+
+  /// Messages of connector calls that threw since the last call.
+  [[nodiscard]] std::vector<std::string> take_connector_errors();
+
+  /// ATOM's prefill-delayer readiness probe (_count_admittable_head_prefills): how many of the
+  /// first 4 waiting requests could be admitted now, in order, stopping at `limit`. Fixes of
+  /// 8.27: a prompt longer than the budget counts when chunked prefill can admit it, and the KV
+  /// of the requests counted before is taken into account.
+  [[nodiscard]] int32_t count_admittable_head_prefills(int32_t limit);
+
   /// Forgets the prefix cache (AllBlocksCleared).
   void reset_prefix_cache() { pool_.reset_prefix_cache(); }
 
@@ -154,7 +177,12 @@ class Scheduler {
   void schedule_prefills(Batch& b, double now);
   void schedule_decodes(Batch& b);
   void preempt(int32_t slot);
-  void release_kv(Request& r);  // blocks, state slot and device slot
+  void reject(int32_t slot, std::string reason);  // finished as unschedulable, reported
+  void take_device_slot(Request& r);
+  void release_kv(Request& r, bool keep_blocks = false);  // blocks, state and device slots
+  void start_remote_decode(int32_t slot);  // kWaitingForRemoteKv -> running, KV arrived
+  [[nodiscard]] ConnectorRequest connector_view(const Request& r) const;
+  void connector_failed(const Request& r, const char* call, const std::exception& e);
   void finish(int32_t slot, FinishReason reason, int32_t stop_token);
 
   // Batch assembly.
@@ -197,6 +225,10 @@ class Scheduler {
   bool prev_prompt_ = false;
   double last_prompt_latency_ = 0.0;
 
+  std::shared_ptr<KvConnector> connector_;
+  bool dry_run_ = false;  // next_batch_info()'s copy: no connector call with side effects
+  std::unordered_map<int64_t, int32_t> deferred_;  // finished ids whose blocks wait on a transfer
+  std::vector<std::string> connector_errors_;
   std::vector<int32_t> free_device_slots_;  // device state slots not held by an admission
   int32_t num_partial_ = 0;  // running requests whose prefill is not fully scheduled yet
   uint64_t next_epoch_ = 1;

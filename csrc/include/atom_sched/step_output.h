@@ -24,7 +24,8 @@ enum class FinishReason : uint8_t {
 
 /// The outputs of one update(). Entry i describes request req_ids[i]: its new tokens are
 /// new_tokens[token_offsets[i] .. token_offsets[i+1]) (their log-probabilities in new_logprobs when
-/// the engine passed them), and it finished this step if finish_reasons[i] != kNone.
+/// the engine passed them; new_logprobs stays aligned with new_tokens, and wants_logprobs[i] says
+/// whether request i asked for them), and it finished this step if finish_reasons[i] != kNone.
 struct StepOutput {
   uint64_t batch_id = 0;
   std::vector<int64_t> req_ids;
@@ -34,6 +35,7 @@ struct StepOutput {
   std::vector<FinishReason> finish_reasons;
   std::vector<int32_t> stop_tokens;          // the stop token id for kStopToken, else -1
   std::vector<int32_t> prefix_hit_tokens;    // prompt tokens served by the prefix cache
+  std::vector<uint8_t> wants_logprobs;       // the request asked for log-probabilities
 
   [[nodiscard]] int32_t size() const noexcept { return static_cast<int32_t>(req_ids.size()); }
   void clear() noexcept;

@@ -1,0 +1,51 @@
+// The scheduler side of a KV connector, for prefill/decode disaggregation: ATOM's
+// KVConnectorSchedulerBase, called by the C++ scheduler and implementable in Python.
+//
+// Call order within one step (ATOM's, with its bugs 8.5 and 8.34 fixed):
+//  * schedule(): for each waiting request it tries to admit, after the prefix probe said it fits,
+//    get_num_new_matched_tokens(); then, once its KV blocks are allocated,
+//    update_state_after_alloc(). A request whose KV arrives asynchronously waits (its blocks
+//    allocated) until the engine reports it in Scheduler::update_from_kv_xfer_finished().
+//  * every finish, whatever its reason and whether or not it streams: request_finished(). If it
+//    returns true the request's blocks stay allocated until finished_sending names it.
+// A connector call that throws costs only its request: schedule() rejects the request with the
+// error as its reason; a throwing request_finished() frees the blocks at once.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace atom_sched {
+
+/// What a connector sees of a request. Spans point into the scheduler and are valid for the call.
+struct ConnectorRequest {
+  int64_t id = -1;
+  std::span<const int32_t> token_ids;  // real tokens: the prompt, then generated tokens
+  int32_t num_prompt_tokens = 0;
+  std::span<const int32_t> block_ids;  // the request's KV blocks (empty before allocation)
+  int32_t num_cached_tokens = 0;       // prefix-cache hit tokens of the current admission
+};
+
+/// get_num_new_matched_tokens()'s answer.
+struct RemoteMatch {
+  int32_t num_tokens = 0;    // prompt tokens whose KV the remote side provides
+  bool load_async = false;   // the request waits for that KV instead of prefilling
+  int32_t first_token = -1;  // the producer's first sampled token (ATOM's T0), -1 if none
+  std::vector<int32_t> draft_tokens;  // the producer's drafts for the first decode (<= K used)
+};
+
+class KvConnector {
+ public:
+  virtual ~KvConnector() = default;
+  /// True on the prefill (producer) side: finished requests keep their blocks until sent.
+  [[nodiscard]] virtual bool is_producer() const = 0;
+  /// Must not change the connector's state in a way a repeated call would see (ATOM's MoRIIO
+  /// tagged requests here, 8.5): next_batch_info() calls it on a dry run.
+  virtual RemoteMatch get_num_new_matched_tokens(const ConnectorRequest& request) = 0;
+  virtual void update_state_after_alloc(const ConnectorRequest& request) = 0;
+  /// Returns true to keep the request's blocks until finished_sending reports it.
+  virtual bool request_finished(const ConnectorRequest& request) = 0;
+};
+
+}  // namespace atom_sched

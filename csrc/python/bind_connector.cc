@@ -1,0 +1,169 @@
+// KV connectors written in Python: the KVConnector base class (a pybind11 trampoline the C++
+// scheduler calls back into, taking the GIL), the ConnectorRequest it receives, the RemoteMatch it
+// answers, and the Scheduler methods that attach a connector and take its transfer reports.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "atom_sched/kv_connector.h"
+#include "scheduler_handle.h"
+
+namespace atom_sched {
+
+namespace py = pybind11;
+using namespace pybind11::literals;
+
+namespace {
+
+// What Python sees of a request: copies, since the core's spans live only for the call.
+struct PyConnectorRequest {
+  int64_t request_id;
+  std::vector<int32_t> token_ids;
+  int32_t num_prompt_tokens;
+  std::vector<int32_t> block_ids;
+  int32_t num_cached_tokens;
+};
+
+PyConnectorRequest copy_of(const ConnectorRequest& r) {
+  return {r.id, {r.token_ids.begin(), r.token_ids.end()}, r.num_prompt_tokens,
+          {r.block_ids.begin(), r.block_ids.end()}, r.num_cached_tokens};
+}
+
+// Forwards each call to the Python subclass. A Python exception becomes a std::runtime_error
+// carrying its message (built while the GIL is held), which the core turns into a rejected
+// request or a connector error.
+class PyKvConnector : public KvConnector {
+ public:
+  bool is_producer() const override {
+    py::gil_scoped_acquire gil;
+    return call("is_producer").cast<bool>();
+  }
+
+  RemoteMatch get_num_new_matched_tokens(const ConnectorRequest& r) override {
+    py::gil_scoped_acquire gil;
+    py::object res = call("get_num_new_matched_tokens", copy_of(r));
+    if (py::isinstance<RemoteMatch>(res)) return res.cast<RemoteMatch>();
+    // ATOM's shape: (num_tokens, needs_async_load).
+    auto t = res.cast<py::tuple>();
+    if (t.size() != 2)
+      throw std::runtime_error(
+          "get_num_new_matched_tokens must return a RemoteMatch or (num_tokens, load_async)");
+    RemoteMatch m;
+    m.num_tokens = t[0].cast<int32_t>();
+    m.load_async = t[1].cast<bool>();
+    return m;
+  }
+
+  void update_state_after_alloc(const ConnectorRequest& r) override {
+    py::gil_scoped_acquire gil;
+    call("update_state_after_alloc", copy_of(r));
+  }
+
+  bool request_finished(const ConnectorRequest& r) override {
+    py::gil_scoped_acquire gil;
+    py::object res = call("request_finished", copy_of(r));
+    return !res.is_none() && res.cast<bool>();
+  }
+
+ private:
+  template <typename... Args>
+  py::object call(const char* name, Args&&... args) const {
+    py::function f = py::get_override(static_cast<const KvConnector*>(this), name);
+    if (!f) throw std::runtime_error(std::string("the KVConnector does not implement ") + name);
+    try {
+      return f(std::forward<Args>(args)...);
+    } catch (py::error_already_set& e) {
+      throw std::runtime_error(e.what());
+    }
+  }
+};
+
+}  // namespace
+
+void bind_connector_types(py::module_& m) {
+  py::class_<PyConnectorRequest>(m, "ConnectorRequest",
+                                 "What a KV connector sees of a request (copies).")
+      .def_readonly("request_id", &PyConnectorRequest::request_id)
+      .def_readonly("token_ids", &PyConnectorRequest::token_ids)
+      .def_readonly("num_prompt_tokens", &PyConnectorRequest::num_prompt_tokens)
+      .def_readonly("block_ids", &PyConnectorRequest::block_ids)
+      .def_readonly("num_cached_tokens", &PyConnectorRequest::num_cached_tokens)
+      .def_property_readonly("prompt_token_ids",
+                             [](const PyConnectorRequest& r) {
+                               return std::vector<int32_t>(
+                                   r.token_ids.begin(), r.token_ids.begin() + r.num_prompt_tokens);
+                             })
+      .def("__repr__", [](const PyConnectorRequest& r) {
+        return "ConnectorRequest(request_id=" + std::to_string(r.request_id) +
+               ", tokens=" + std::to_string(r.token_ids.size()) +
+               ", blocks=" + std::to_string(r.block_ids.size()) + ")";
+      });
+
+  py::class_<RemoteMatch>(m, "RemoteMatch", "A KV connector's answer for a waiting request.")
+      .def(py::init([](int32_t num_tokens, bool load_async, int32_t first_token,
+                       std::vector<int32_t> draft_tokens) {
+             RemoteMatch r;
+             r.num_tokens = num_tokens;
+             r.load_async = load_async;
+             r.first_token = first_token;
+             r.draft_tokens = std::move(draft_tokens);
+             return r;
+           }),
+           py::kw_only(), "num_tokens"_a = 0, "load_async"_a = false, "first_token"_a = -1,
+           "draft_tokens"_a = std::vector<int32_t>{})
+      .def_readwrite("num_tokens", &RemoteMatch::num_tokens)
+      .def_readwrite("load_async", &RemoteMatch::load_async)
+      .def_readwrite("first_token", &RemoteMatch::first_token)
+      .def_readwrite("draft_tokens", &RemoteMatch::draft_tokens);
+
+  py::class_<KvConnector, PyKvConnector, std::shared_ptr<KvConnector>>(
+      m, "KVConnector",
+      "Base class of scheduler-side KV connectors (ATOM's KVConnectorSchedulerBase). Subclass it\n"
+      "and implement is_producer(), get_num_new_matched_tokens(request) -> RemoteMatch or\n"
+      "(num_tokens, load_async), update_state_after_alloc(request) and\n"
+      "request_finished(request) -> bool (True keeps the blocks until finished_sending).")
+      .def(py::init<>());
+}
+
+void bind_connector_methods(SchedulerClass& cls) {
+  cls.def(
+         "set_kv_connector",
+         [](SchedulerHandle& h, py::object connector) {
+           std::shared_ptr<KvConnector> core_side;
+           if (!connector.is_none()) {
+             if (!py::isinstance<KvConnector>(connector))
+               throw py::type_error("set_kv_connector expects a KVConnector or None");
+             core_side = connector.cast<std::shared_ptr<KvConnector>>();
+           }
+           with_core(h, [&](Scheduler& c) { c.set_kv_connector(core_side); });
+           h.connector = connector;  // keeps the Python object (and its overrides) alive
+         },
+         "connector"_a)
+      .def_property_readonly("kv_connector",
+                             [](SchedulerHandle& h) -> py::object {
+                               return h.connector ? h.connector : py::none();
+                             })
+      .def(
+          "update_from_kv_xfer_finished",
+          [](SchedulerHandle& h, std::vector<int64_t> sending, std::vector<int64_t> recving) {
+            with_core(h, [&](Scheduler& c) { c.update_from_kv_xfer_finished(sending, recving); });
+          },
+          "finished_sending"_a = std::vector<int64_t>{},
+          "finished_recving"_a = std::vector<int64_t>{})
+      .def("take_connector_errors",
+           [](SchedulerHandle& h) {
+             return with_core(h, [](Scheduler& c) { return c.take_connector_errors(); });
+           })
+      .def(
+          "count_admittable_head_prefills",
+          [](SchedulerHandle& h, int32_t limit) {
+            return with_core(h,
+                             [&](Scheduler& c) { return c.count_admittable_head_prefills(limit); });
+          },
+          "limit"_a);
+}
+
+}  // namespace atom_sched
