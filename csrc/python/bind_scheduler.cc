@@ -106,6 +106,7 @@ const char* status_name(RequestStatus s) {
   switch (s) {
     case RequestStatus::kWaiting: return "waiting";
     case RequestStatus::kRunning: return "running";
+    case RequestStatus::kWaitingForRemoteKv: return "waiting_for_remote_kv";
     case RequestStatus::kFinished: break;
   }
   return "finished";
@@ -198,6 +199,8 @@ py::dict stats_dict(const SchedulerStats& s) {
   d["num_finished"] = s.num_finished;
   d["num_aborted"] = s.num_aborted;
   d["num_rejected"] = s.num_rejected;
+  d["num_remote_prefills"] = s.num_remote_prefills;
+  d["num_connector_errors"] = s.num_connector_errors;
   return d;
 }
 
@@ -210,6 +213,7 @@ py::dict request_state(const Request& r) {
   d["num_computed_tokens"] = r.num_computed_tokens;
   d["prefill_target"] = r.prefill_target;
   d["num_inflight"] = r.num_inflight;
+  d["remote_ready"] = r.remote_ready;
   d["prefix_hit_tokens"] = r.prefix_hit_tokens;
   d["token_ids"] = r.tokens;
   d["output_token_ids"] =

@@ -1,0 +1,257 @@
+"""The scheduler side of the KV connector (prefill/decode disaggregation): ATOM's call order with
+its bugs 8.4, 8.5, 8.15, 8.16 and 8.34 fixed. The connectors here are small KVConnector
+subclasses that record what the scheduler tells them; the loopback connector that moves real KV
+between two engines is tested with the engine."""
+
+import numpy as np
+import pytest
+
+from atom_sched import KVConnector, RemoteMatch, SamplingParams, Scheduler, SchedulerConfig
+
+BS = 4
+
+
+def make(num_blocks=32, k=0, events=True, **kw):
+    cfg = SchedulerConfig(num_blocks=num_blocks, block_size=BS, max_num_seqs=8,
+                          max_num_batched_tokens=64, max_model_len=256, eos_token_id=2,
+                          num_speculative_tokens=k, enable_kv_events=events, **kw)
+    return Scheduler(cfg)
+
+
+class Consumer(KVConnector):
+    """Decode side: requests listed in `remote` get their prompt KV from a remote prefill."""
+
+    def __init__(self, remote, first_token=-1, drafts=()):
+        super().__init__()
+        self.remote = dict.fromkeys(remote, True)
+        self.first_token = first_token
+        self.drafts = list(drafts)
+        self.calls = []
+
+    def is_producer(self):
+        return False
+
+    def get_num_new_matched_tokens(self, request):
+        self.calls.append(("match", request.request_id, list(request.block_ids)))
+        if self.remote.get(request.request_id):
+            return RemoteMatch(num_tokens=request.num_prompt_tokens, load_async=True,
+                               first_token=self.first_token, draft_tokens=self.drafts)
+        return (0, False)
+
+    def update_state_after_alloc(self, request):
+        self.calls.append(("alloc", request.request_id, list(request.block_ids)))
+        self.remote[request.request_id] = False  # ATOM clears do_remote_prefill here
+
+    def request_finished(self, request):
+        self.calls.append(("finished", request.request_id, list(request.token_ids)))
+        return False
+
+
+class Producer(KVConnector):
+    """Prefill side: every finished request's KV is sent before its blocks are freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.finished = []
+
+    def is_producer(self):
+        return True
+
+    def get_num_new_matched_tokens(self, request):
+        return RemoteMatch()
+
+    def update_state_after_alloc(self, request):
+        pass
+
+    def request_finished(self, request):
+        self.finished.append((request.request_id, list(request.block_ids)))
+        return True
+
+
+def step(s, tokens, k=0):
+    b = s.schedule()
+    s.check_invariants()
+    assert b is not None
+    rows = b.num_rows
+    sampled = np.tile(np.asarray(tokens[:rows], dtype=np.int32)[:, None], (1, k + 1))
+    accepted = None if (k == 0 or b.is_prefill) else np.full(rows, 1, np.int32)
+    drafts = np.full((rows, k), 5, np.int32) if k else None
+    out = s.update(b, sampled, accepted, drafts)
+    s.check_invariants()
+    return b, out.outputs()
+
+
+def test_remote_prefill_waits_then_decodes_with_the_injected_first_token():
+    s = make()
+    conn = Consumer(remote=[7], first_token=42)
+    s.set_kv_connector(conn)
+    prompt = list(range(10, 22))  # 12 tokens = 3 full blocks
+    s.add_request(7, prompt, SamplingParams(max_tokens=4))
+    assert s.schedule() is None  # nothing to compute locally: the KV comes from the producer
+    state = s.request_state(7)
+    assert state["status"] == "waiting_for_remote_kv"
+    assert len(state["block_table"]) == 3  # blocks are allocated for the transfer to fill
+    assert [c[0] for c in conn.calls] == ["match", "alloc"]
+    assert s.schedule() is None  # still waiting
+    s.update_from_kv_xfer_finished(finished_recving=[7])
+    s.check_invariants()
+    b, outs = step(s, [50])
+    assert not b.is_prefill and list(b.req_ids) == [7]
+    assert list(b.positions) == [12] and list(b.scheduled_tokens) == [42]
+    assert outs[0].output_tokens == [42, 50]  # T0 streamed with the first output
+    stored = [e for e in s.take_events() if e.kind == "BlockStored"]
+    # The remote-filled prompt blocks are announced once they arrive (ATOM never did: 8.15).
+    assert sum(len(e.block_hashes) for e in stored) == 3
+    assert s.stats()["num_remote_prefills"] == 1
+
+
+def test_no_first_token_reforwards_the_last_prompt_token():
+    s = make()
+    s.set_kv_connector(Consumer(remote=[1]))
+    s.add_request(1, list(range(10, 19)), SamplingParams(max_tokens=3))
+    s.schedule()
+    s.update_from_kv_xfer_finished(finished_recving=[1])
+    b, outs = step(s, [60])
+    assert list(b.positions) == [8] and list(b.scheduled_tokens) == [18]
+    assert outs[0].output_tokens == [60]
+
+
+def test_connector_is_asked_only_after_the_request_fits():
+    """8.5: ATOM probed the connector before can_allocate, so a request that then failed to fit
+    was tagged for a remote load it never got."""
+    s = make(num_blocks=4)
+    conn = Consumer(remote=[])
+    s.set_kv_connector(conn)
+    s.add_request(0, list(range(10, 22)), SamplingParams(max_tokens=50))  # 3 blocks
+    s.add_request(1, list(range(30, 42)), SamplingParams(max_tokens=50))  # 3 more: cannot fit
+    step(s, [70, 71])
+    assert [c[1] for c in conn.calls if c[0] == "match"] == [0]
+
+
+def test_drafts_from_the_producer_feed_the_first_speculative_step():
+    s = make(k=2)
+    s.set_kv_connector(Consumer(remote=[3], first_token=42, drafts=[43, 44, 45]))
+    s.add_request(3, list(range(10, 18)), SamplingParams(max_tokens=6))
+    s.schedule()
+    s.update_from_kv_xfer_finished(finished_recving=[3])
+    b = s.schedule()
+    assert list(b.scheduled_tokens) == [42, 43, 44]  # T0, then at most K drafts
+    assert b.spec_draft_tokens.tolist() == [[43, 44]]
+    # The unverified drafts are never hashed into the prefix cache (8.16): only the prompt's
+    # two full blocks are announced.
+    stored = [e for e in s.take_events() if e.kind == "BlockStored"]
+    assert sum(len(e.block_hashes) for e in stored) == 2
+
+
+def test_injected_token_is_streamed_once_across_a_preemption():
+    """8.4: ATOM kept _injected_t0 through preempt() and streamed T0 twice."""
+    s = make()
+    s.set_kv_connector(Consumer(remote=[0], first_token=42))
+    s.add_request(0, list(range(10, 18)), SamplingParams(max_tokens=5))
+    s.schedule()
+    s.update_from_kv_xfer_finished(finished_recving=[0])
+    b = s.schedule()  # first decode, in flight
+    s.abort_request(0)  # drop it in a way that keeps the stream honest
+    out = s.update(b, np.array([50], np.int32))
+    assert len(out) == 0  # finished meanwhile: nothing streamed twice or late
+    s.check_invariants()
+
+
+def test_request_finished_is_called_for_every_finish():
+    """8.34: ATOM called request_finished only when streaming produced new tokens."""
+    s = make()
+    prod = Producer()
+    s.set_kv_connector(prod)
+    s.add_request(0, list(range(10, 16)), SamplingParams(max_tokens=1))
+    s.add_request(1, list(range(20, 26)), SamplingParams(max_tokens=9))
+    s.add_request(2, list(range(30, 36)), SamplingParams(max_tokens=9))
+    step(s, [60, 61, 62])  # request 0 finishes by max_tokens
+    s.abort_request(1)
+    step(s, [2])  # request 2 emits EOS
+    assert sorted(r for r, _ in prod.finished) == [0, 1, 2]
+
+
+def test_producer_keeps_blocks_until_they_are_sent():
+    s = make()
+    prod = Producer()
+    s.set_kv_connector(prod)
+    s.add_request(0, list(range(10, 22)), SamplingParams(max_tokens=1))
+    free_before = s.num_free_blocks
+    step(s, [60])
+    assert not s.has_unfinished_requests()
+    assert s.num_free_blocks == free_before - 3  # the 12-token prompt's blocks wait for the send
+    with pytest.raises(ValueError):
+        s.add_request(0, [1, 2, 3])  # the id is still held by the pending send
+    s.update_from_kv_xfer_finished(finished_sending=[0])
+    s.check_invariants()
+    assert s.num_free_blocks == free_before
+    s.add_request(0, [1, 2, 3])  # now the id is free again
+
+
+def test_abort_while_kv_is_arriving_keeps_the_blocks_until_it_lands():
+    s = make()
+    s.set_kv_connector(Consumer(remote=[5]))
+    s.add_request(5, list(range(10, 22)), SamplingParams(max_tokens=4))
+    s.schedule()
+    held = s.num_blocks - s.num_free_blocks
+    assert held == 3
+    s.abort_request(5)
+    s.check_invariants()
+    assert s.num_blocks - s.num_free_blocks == 3  # the transfer may still write them
+    s.update_from_kv_xfer_finished(finished_recving=[5])
+    s.check_invariants()
+    assert s.num_free_blocks == s.num_blocks
+
+
+def test_bad_transfer_reports_change_nothing():
+    s = make()
+    s.set_kv_connector(Consumer(remote=[1]))
+    s.add_request(1, list(range(10, 22)), SamplingParams(max_tokens=4))
+    s.add_request(2, list(range(30, 34)), SamplingParams(max_tokens=4))
+    s.schedule()
+    with pytest.raises(KeyError):
+        s.update_from_kv_xfer_finished(finished_recving=[1, 99])
+    with pytest.raises(ValueError):
+        s.update_from_kv_xfer_finished(finished_recving=[2])  # running, not waiting for KV
+    with pytest.raises(KeyError):
+        s.update_from_kv_xfer_finished(finished_sending=[1])
+    assert s.request_state(1)["remote_ready"] is False
+    s.check_invariants()
+
+
+def test_a_failing_connector_costs_only_its_request():
+    class Broken(Consumer):
+        def get_num_new_matched_tokens(self, request):
+            if request.request_id == 1:
+                raise RuntimeError("remote engine unreachable")
+            return super().get_num_new_matched_tokens(request)
+
+    s = make()
+    s.set_kv_connector(Broken(remote=[]))
+    s.add_request(0, [10, 11, 12], SamplingParams(max_tokens=2))
+    s.add_request(1, [20, 21, 22], SamplingParams(max_tokens=2))
+    b = s.schedule()
+    s.check_invariants()
+    assert list(b.req_ids) == [0]
+    (rejected,) = s.take_rejected()
+    assert rejected.request_id == 1 and "remote engine unreachable" in rejected.reason
+    assert any("remote engine unreachable" in e for e in s.take_connector_errors())
+
+
+def test_set_kv_connector_type_checks():
+    s = make()
+    with pytest.raises(TypeError):
+        s.set_kv_connector(object())
+    s.set_kv_connector(None)
+    assert s.kv_connector is None
+
+
+def test_count_admittable_head_prefills():
+    s = make(num_blocks=8)
+    assert s.count_admittable_head_prefills(2) == 0
+    s.add_request(0, list(range(10, 22)), SamplingParams())  # 3 blocks
+    s.add_request(1, list(range(30, 42)), SamplingParams())  # 3 blocks
+    s.add_request(2, list(range(50, 62)), SamplingParams())  # would need 9 in all: too many
+    assert s.count_admittable_head_prefills(1) == 1
+    assert s.count_admittable_head_prefills(4) == 2
+    assert s.count_admittable_head_prefills(0) == 0
