@@ -15,7 +15,7 @@ VPIP   := $(VPY) -m pip
 
 # Build and test tools for the venv; keep in step with pyproject.toml's build-system and extras.
 VENV_PACKAGES := "scikit-build-core>=0.10" "pybind11>=2.12" "numpy>=1.24" pytest hypothesis xxhash \
-                 ninja "cmake>=3.25" matplotlib tqdm
+                 ninja "cmake>=3.25" matplotlib tqdm pyzmq msgpack
 
 CPP_DIR  := build/cpp
 ASAN_DIR := build/asan

@@ -112,6 +112,13 @@ const char* status_name(RequestStatus s) {
   return "finished";
 }
 
+Medium medium_from_name(const std::optional<std::string>& name) {
+  if (!name) return Medium::kNone;
+  for (Medium m : {Medium::kGpu, Medium::kCpu, Medium::kDisk, Medium::kRemote})
+    if (*name == medium_name(m)) return m;
+  throw py::value_error("unknown KV medium '" + *name + "' (GPU, CPU, DISK, REMOTE or None)");
+}
+
 const char* event_kind_name(KvEventKind k) {
   switch (k) {
     case KvEventKind::kBlockStored: return "BlockStored";
@@ -236,6 +243,29 @@ void bind_scheduler(py::module_& m) {
       });
 
   py::class_<KvEvent>(m, "KVEvent", "A KV-cache event (BlockStored, BlockRemoved, ...).")
+      .def(py::init([](const std::string& kind, std::vector<uint64_t> block_hashes,
+                       std::optional<uint64_t> parent_block_hash, std::vector<int32_t> token_ids,
+                       int32_t block_size, std::optional<std::string> medium) {
+             KvEvent e;
+             if (kind == "BlockStored") {
+               e.kind = KvEventKind::kBlockStored;
+             } else if (kind == "BlockRemoved") {
+               e.kind = KvEventKind::kBlockRemoved;
+             } else if (kind == "AllBlocksCleared") {
+               e.kind = KvEventKind::kAllBlocksCleared;
+             } else {
+               throw py::value_error("unknown KV event kind '" + kind + "'");
+             }
+             e.block_hashes = std::move(block_hashes);
+             e.parent_block_hash = parent_block_hash;
+             e.token_ids = std::move(token_ids);
+             e.block_size = block_size;
+             e.medium = medium_from_name(medium);
+             return e;
+           }),
+           "kind"_a, "block_hashes"_a = std::vector<uint64_t>{},
+           "parent_block_hash"_a = py::none(), "token_ids"_a = std::vector<int32_t>{},
+           "block_size"_a = 0, "medium"_a = "GPU")
       .def_property_readonly("kind", [](const KvEvent& e) { return event_kind_name(e.kind); })
       .def_readonly("block_hashes", &KvEvent::block_hashes)
       .def_readonly("parent_block_hash", &KvEvent::parent_block_hash)
@@ -408,6 +438,11 @@ void bind_scheduler(py::module_& m) {
            "draft_token_ids"_a = py::none(), "logprobs"_a = py::none())
       .def("take_rejected", [](SchedulerHandle& h) { return with_core(h, [](Scheduler& c) { return c.take_rejected(); }); })
       .def("take_events", [](SchedulerHandle& h) { return with_core(h, [](Scheduler& c) { return c.take_events(); }); })
+      .def("cached_block_hashes",
+           [](SchedulerHandle& h) {
+             return with_core(h, [](Scheduler& c) { return c.block_pool().cached_hashes(); });
+           },
+           "Every block hash in the prefix cache (unordered).")
       .def("stats",
            [](SchedulerHandle& h) {
              return stats_dict(with_core(h, [](Scheduler& c) { return c.stats(); }));

@@ -226,6 +226,13 @@ std::vector<KvEvent> BlockPool::take_events() {
   return out;
 }
 
+std::vector<uint64_t> BlockPool::cached_hashes() const {
+  std::vector<uint64_t> out;
+  out.reserve(map_.size());
+  map_.for_each([&](uint64_t h, int32_t) { out.push_back(h); });
+  return out;
+}
+
 std::vector<int32_t> BlockPool::free_list() const {
   std::vector<int32_t> out;
   out.reserve(num_free_);

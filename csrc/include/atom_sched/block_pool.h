@@ -97,6 +97,8 @@ class BlockPool {
   [[nodiscard]] bool is_cached(int32_t block) const { return has_hash_.at(block) != 0; }
   [[nodiscard]] int32_t cached_block(uint64_t hash) const;  // -1 if the hash is not cached
   [[nodiscard]] int32_t num_cached_hashes() const noexcept { return map_.size(); }
+  /// Every hash in the prefix cache (unordered). O(capacity).
+  [[nodiscard]] std::vector<uint64_t> cached_hashes() const;
   /// Block ids of the free list, head (next to be handed out) first. O(free blocks).
   [[nodiscard]] std::vector<int32_t> free_list() const;
 
