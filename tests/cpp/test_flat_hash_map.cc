@@ -2,10 +2,6 @@
 // backward-shift deletion). Collisions are forced by brute-forcing keys whose home slot
 // ((key * 0x9E3779B97F4A7C15) >> 17) & mask is chosen, so probe chains, chain wrap-around at the
 // end of the table and deletions in the middle of chains are all exercised.
-// WORKAROUND: flat_hash_map.h uses unqualified size_t without including <cstddef>, so it does
-// not compile when included first (reported; the header should include <cstddef> and use
-// std::size_t). Remove this include once the header is self-contained.
-#include <cstddef>
 
 #include "atom_sched/flat_hash_map.h"
 

@@ -54,6 +54,12 @@ SchedulerConfig Cfg(int32_t num_blocks, int32_t block_size = 4) {
   return c;
 }
 
+SchedulerConfig SpecCfg(int32_t num_blocks, int32_t k = 2) {
+  SchedulerConfig c = Cfg(num_blocks);
+  c.num_speculative_tokens = k;
+  return c;
+}
+
 SamplingParams P(int32_t max_tokens = 64) {
   SamplingParams p;
   p.max_tokens = max_tokens;
@@ -141,7 +147,9 @@ struct Snap {
   V64 row_positions(int32_t r) const {
     return V64(positions.begin() + cu_q[r], positions.begin() + cu_q[r + 1]);
   }
-  V64 row_slots(int32_t r) const { return V64(slots.begin() + cu_q[r], slots.begin() + cu_q[r + 1]); }
+  V64 row_slots(int32_t r) const {
+    return V64(slots.begin() + cu_q[r], slots.begin() + cu_q[r + 1]);
+  }
   V row_drafts(int32_t r) const {
     return V(drafts.begin() + static_cast<std::ptrdiff_t>(r) * num_spec_tokens,
              drafts.begin() + static_cast<std::ptrdiff_t>(r + 1) * num_spec_tokens);
@@ -231,8 +239,9 @@ class H {
         o.logprobs.assign(out.new_logprobs.begin() + lo, out.new_logprobs.begin() + hi);
       }
       o.reason = out.finish_reasons.at(i);
-      o.why = o.reason == FinishReason::kNone ? ""
-                                              : finish_reason_string(o.reason, out.stop_tokens.at(i));
+      if (o.reason != FinishReason::kNone) {
+        o.why = finish_reason_string(o.reason, out.stop_tokens.at(i));
+      }
       o.hit_tokens = out.prefix_hit_tokens.at(i);
       const int64_t id = out.req_ids[i];
       EXPECT_TRUE(r.by_id.emplace(id, o).second) << "request " << id << " twice in one output";
@@ -295,7 +304,8 @@ class H {
     EXPECT_EQ(b.cu_k[0], 0);
     int32_t max_q = 0, max_k = 0;
     for (int32_t i = 0; i < b.num_rows; ++i) {
-      SCOPED_TRACE(testing::Message() << "batch " << b.id << " row " << i << " req " << b.req_ids[i]);
+      SCOPED_TRACE(testing::Message()
+                   << "batch " << b.id << " row " << i << " req " << b.req_ids[i]);
       EXPECT_EQ(b.cu_q[i + 1] - b.cu_q[i], b.nsched[i]);
       EXPECT_EQ(b.cu_k[i + 1] - b.cu_k[i], b.ctx[i]);
       EXPECT_EQ(b.ctx[i], b.ncached[i] + b.nsched[i]);
@@ -409,7 +419,8 @@ class H {
       if (s.contains(id)) {
         const V& table = s.request(id).block_table;
         EXPECT_GE(dev.size(), table.size());
-        EXPECT_TRUE(dev.size() >= table.size() && std::equal(table.begin(), table.end(), dev.begin()))
+        EXPECT_TRUE(dev.size() >= table.size() &&
+                    std::equal(table.begin(), table.end(), dev.begin()))
             << "device table of slot " << slot << " differs from the request's block table";
         EXPECT_EQ(s.request(id).device_slot, slot);
       }
@@ -1238,6 +1249,122 @@ TEST(SchedulerTest, StateSlotsGateAdmission) {
   EXPECT_EQ(s2->state_slots, V{0});
 }
 
+// Fix 8.6: the decode reservation is exact. bs 4, a 2-block pool. A = [100..107).
+//   step 1: prefill A {0,1} -> 110 (8 tokens)
+//   step 2: decode pos 7: still inside block 1, so nothing is needed and nothing is preempted
+//           (ATOM's can_append asks for ceil((8+1)/4) = 3 blocks and preempts A)
+TEST(SchedulerTest, ExactReservationDoesNotPreemptAtABlockBoundary) {
+  H h(Cfg(2));
+  h.add(1, Seq(100, 7), P(2));
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  h.upd(*s1, {110});
+  auto s2 = h.sched();
+  ASSERT_TRUE(s2);
+  EXPECT_EQ(s2->req_ids, V64{1});
+  EXPECT_EQ(s2->positions, V64{7});
+  EXPECT_EQ(s2->slots, V64{7});
+  EXPECT_EQ(h.s.stats().num_preemptions, 0);
+  EXPECT_EQ(h.upd(*s2, {111}).why(1), "max_tokens");
+}
+
+// Fix 8.7: with bs 2 < K+1 = 4 every decode row gets blocks for all of its K+1 positions.
+//   A = [10,11,12,13] {0,1}: prefill -> 20, drafts 30 31 32
+//   decode 1: pos 4..7 (ctx 8): 4 blocks {0,1,2,3}; a=4 -> [30 31 32 40]
+//   decode 2: pos 8..11 (ctx 12): 6 blocks; a=1 -> [50]
+//   decode 3: pos 9..12 (ctx 13): 7 blocks
+TEST(SchedulerTest, ReservationCoversKPlusOnePositionsWithSmallBlocks) {
+  SchedulerConfig c = SpecCfg(32, 3);
+  c.block_size = 2;
+  H h(c);
+  h.add(1, {10, 11, 12, 13});
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  h.upd(*s1, {20, -1, -1, -1}, {}, {30, 31, 32});
+  auto d1 = h.sched();
+  ASSERT_TRUE(d1);
+  EXPECT_EQ(d1->positions, (V64{4, 5, 6, 7}));
+  EXPECT_EQ(d1->tokens, (V{20, 30, 31, 32}));
+  EXPECT_EQ(h.s.request(1).block_table, (V{0, 1, 2, 3}));
+  EXPECT_EQ(d1->slots, (V64{4, 5, 6, 7}));
+  EXPECT_EQ(h.upd(*d1, {30, 31, 32, 40}, {4}, {41, 42, 43}).tokens(1), (V{30, 31, 32, 40}));
+  auto d2 = h.sched();
+  ASSERT_TRUE(d2);
+  EXPECT_EQ(d2->positions, (V64{8, 9, 10, 11}));
+  EXPECT_EQ(h.s.request(1).block_table.size(), 6u);
+  EXPECT_EQ(h.upd(*d2, {50, -1, -1, -1}, {1}, {51, 52, 53}).tokens(1), V{50});
+  auto d3 = h.sched();
+  ASSERT_TRUE(d3);
+  EXPECT_EQ(d3->positions, (V64{9, 10, 11, 12}));
+  EXPECT_EQ(d3->tokens, (V{50, 51, 52, 53}));
+  EXPECT_EQ(h.s.request(1).block_table.size(), 7u);
+  EXPECT_EQ(h.s.stats().num_preemptions, 0);
+}
+
+// Fix 8.16: KV written for rejected drafts is never published to the prefix cache.
+// bs 2, K 2. A = [10,11,12].
+//   prefill {0,1} -> 20, drafts 30 31
+//   decode: inputs 20 30 31 at pos 3,4,5 -> block 2 holds KV of the drafts 30, 31; a=1 -> [40]
+//   B = [10,11,12,20,30,31,7] must not hit block 2 (its content was never accepted): B's hits
+//   stop at 2 blocks (4 tokens) at most.
+TEST(SchedulerTest, RejectedDraftsAreNeverPublished) {
+  SchedulerConfig c = SpecCfg(32);
+  c.block_size = 2;
+  c.enable_kv_events = true;
+  H h(c);
+  h.add(1, {10, 11, 12});
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  h.upd(*s1, {20, -1, -1}, {}, {30, 31});
+  auto d1 = h.sched();
+  ASSERT_TRUE(d1);
+  EXPECT_EQ(d1->tokens, (V{20, 30, 31}));
+  EXPECT_EQ(h.upd(*d1, {40, -1, -1}, {1}, {41, 42}).tokens(1), V{40});
+  for (const KvEvent& e : h.s.take_events()) {
+    if (e.kind != KvEventKind::kBlockStored) continue;
+    for (size_t i = 0; i + 1 < e.token_ids.size(); i += 2) {
+      EXPECT_FALSE(e.token_ids[i] == 30 && e.token_ids[i + 1] == 31)
+          << "a block of rejected drafts was published";
+    }
+  }
+  h.add(2, {10, 11, 12, 20, 30, 31, 7});
+  auto s2 = h.sched();
+  ASSERT_TRUE(s2);
+  ASSERT_EQ(s2->req_ids, V64{2});
+  EXPECT_LE(s2->ncached[0], 4);
+  EXPECT_LE(h.s.request(2).prefix_hit_tokens, 4);
+}
+
+// scheduler_delay_factor (ATOM's _passed_delay, kept): admission waits until the oldest waiting
+// request has waited longer than factor * the latency of the last prompt step, unless nothing
+// runs. Factor 1.
+//   t=0:  A arrives, nothing runs -> prefill A
+//   t=10: B arrives (arrival 10). Last prompt latency = 10 - 0 = 10; B waited 0 <= 10 and A runs:
+//         no admission -> decode A
+//   t=25: B waited 15 > 10 -> prefill B
+TEST(SchedulerTest, DelayFactorHoldsAdmission) {
+  SchedulerConfig c = Cfg(16);
+  c.scheduler_delay_factor = 1.0;
+  H h(c);
+  h.s.add_request(1, V{1, 2, 3}, P(), 0.0);
+  auto s1 = h.sched(0.0);
+  ASSERT_TRUE(s1);
+  EXPECT_TRUE(s1->is_prefill);
+  h.upd(*s1, {10});
+  h.s.add_request(2, V{4, 5, 6}, P(), 10.0);
+  h.Inv("add_request");
+  auto s2 = h.sched(10.0);
+  ASSERT_TRUE(s2);
+  EXPECT_FALSE(s2->is_prefill) << "B has not waited long enough";
+  EXPECT_EQ(s2->req_ids, V64{1});
+  EXPECT_EQ(h.s.waiting_ids(), V64{2});
+  h.upd(*s2, {11});
+  auto s3 = h.sched(25.0);
+  ASSERT_TRUE(s3);
+  EXPECT_TRUE(s3->is_prefill);
+  EXPECT_EQ(s3->req_ids, V64{2});
+}
+
 // ---------------------------------------------------------------------------------------------
 // Stop conditions (fixed semantics 8.8, 8.10-8.12)
 // ---------------------------------------------------------------------------------------------
@@ -1341,12 +1468,6 @@ TEST(SchedulerTest, MaxModelLenStopsDecode) {
 // ---------------------------------------------------------------------------------------------
 // Speculative decoding, K = 2
 // ---------------------------------------------------------------------------------------------
-
-SchedulerConfig SpecCfg(int32_t num_blocks, int32_t k = 2) {
-  SchedulerConfig c = Cfg(num_blocks);
-  c.num_speculative_tokens = k;
-  return c;
-}
 
 // bs 4, K 2. A = [10,11,12], B = [20..25).
 //   step 1: prefill A {0}, B {1,2}   -> A 100 (drafts 30,31), B 200 (drafts 40,41)
@@ -1683,6 +1804,52 @@ TEST(SchedulerTest, PreemptionWhileInFlightKeepsTheInFlightToken) {
   EXPECT_EQ(h.upd(*s5, {212}).tokens(2), V{212});
 }
 
+// The same start as PreemptionWhileInFlightKeepsTheInFlightToken (B preempted by b3 while b2
+// holds it), then B's in-flight token ends it while it waits (EOS 2), or B is aborted before the
+// token arrives: either way B leaves the waiting queue, nothing is streamed twice, no KV leaks.
+TEST(SchedulerTest, PreemptedRequestFinishesOrIsAbortedWhileItsTokenIsInFlight) {
+  for (bool abort : {false, true}) {
+    SCOPED_TRACE(abort ? "abort" : "eos");
+    SchedulerConfig c = Cfg(4);
+    c.enable_prefix_caching = false;
+    c.eos_token_id = 2;
+    H h(c);
+    h.add(1, Seq(100, 7), P(4));
+    h.add(2, Seq(200, 7));
+    auto s1 = h.sched();
+    ASSERT_TRUE(s1);
+    h.upd(*s1, {110, 210});
+    auto b2 = h.sched();
+    ASSERT_TRUE(b2);
+    auto b3 = h.sched();
+    ASSERT_TRUE(b3);
+    ASSERT_EQ(h.s.waiting_ids(), V64{2});
+    if (abort) {
+      h.s.abort_request(2);
+      h.Inv("abort_request");
+      EXPECT_FALSE(h.s.contains(2));
+      EXPECT_TRUE(h.s.waiting_ids().empty());
+    }
+    auto o2 = h.upd(*b2, {111, 2});
+    if (abort) {
+      EXPECT_FALSE(o2.has(2));
+    } else {
+      EXPECT_EQ(o2.tokens(2), V{2});
+      EXPECT_EQ(o2.why(2), "eos");
+    }
+    EXPECT_FALSE(h.s.contains(2));
+    EXPECT_TRUE(h.s.waiting_ids().empty());
+    h.upd(*b3, {112});
+    auto s4 = h.sched();
+    ASSERT_TRUE(s4);
+    EXPECT_EQ(s4->req_ids, V64{1});
+    EXPECT_EQ(h.upd(*s4, {113}).why(1), "max_tokens");
+    EXPECT_FALSE(h.sched());
+    EXPECT_FALSE(h.s.has_unfinished_requests());
+    EXPECT_EQ(h.s.block_pool().num_free_blocks(), 4);
+  }
+}
+
 // K 2, one step ahead. A = [10,11,12].
 //   step 1 (sync): prefill -> 20, drafts 30 31
 //   b2: decode inputs 20 30 31 at pos 3,4,5 (exact)                  S = 6
@@ -1775,7 +1942,8 @@ TEST(SchedulerTest, BadRequestsAreRejectedAndChangeNothing) {
   ASSERT_EQ(h.s.running_ids(), V64{1});
   const State before = Capture(h.s);
 
-  auto expect_bad_add = [&](int64_t id, const V& prompt, const SamplingParams& p, const char* what) {
+  auto expect_bad_add = [&](int64_t id, const V& prompt, const SamplingParams& p,
+                            const char* what) {
     EXPECT_THROW(h.s.add_request(id, prompt, p), InvalidArgument) << what;
     h.Inv(what);
     ExpectSame(before, Capture(h.s), what);
@@ -2157,7 +2325,9 @@ TEST(SchedulerTest, SynchronousAndOneStepAheadStreamTheSameTokens) {
     EXPECT_EQ(sync.why, async.why);
     EXPECT_GT(sync.preemptions + async.preemptions, 0) << "the workload should preempt";
     for (const auto& [id, t] : sync.tokens) {
-      for (size_t n = 0; n < t.size(); ++n) EXPECT_EQ(t[n], ModelToken(id, static_cast<int32_t>(n)));
+      for (size_t n = 0; n < t.size(); ++n) {
+        EXPECT_EQ(t[n], ModelToken(id, static_cast<int32_t>(n)));
+      }
     }
   }
 }

@@ -3,6 +3,7 @@
 // after construction (std::unordered_map allocates a node per insert).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -12,8 +13,8 @@ class FlatHashMap {
  public:
   /// Room for `max_entries` entries at a load factor of at most 1/2.
   explicit FlatHashMap(int32_t max_entries) {
-    size_t cap = 16;
-    while (cap < 2 * static_cast<size_t>(max_entries)) cap *= 2;
+    std::size_t cap = 16;
+    while (cap < 2 * static_cast<std::size_t>(max_entries)) cap *= 2;
     keys_.assign(cap, 0);
     values_.assign(cap, kEmpty);
     mask_ = cap - 1;
@@ -21,7 +22,7 @@ class FlatHashMap {
 
   /// The value stored for `key`, or -1.
   [[nodiscard]] int32_t find(uint64_t key) const noexcept {
-    for (size_t i = home(key);; i = (i + 1) & mask_) {
+    for (std::size_t i = home(key);; i = (i + 1) & mask_) {
       if (values_[i] == kEmpty) return -1;
       if (keys_[i] == key) return values_[i];
     }
@@ -29,7 +30,7 @@ class FlatHashMap {
 
   /// Inserts or overwrites. The caller keeps size() <= max_entries.
   void insert(uint64_t key, int32_t value) noexcept {
-    size_t i = home(key);
+    std::size_t i = home(key);
     while (values_[i] != kEmpty && keys_[i] != key) i = (i + 1) & mask_;
     if (values_[i] == kEmpty) ++size_;
     keys_[i] = key;
@@ -39,15 +40,15 @@ class FlatHashMap {
   /// Removes `key` if present. Backward-shift deletion keeps probe chains intact without
   /// tombstones, so lookups never slow down as the cache churns.
   void erase(uint64_t key) noexcept {
-    size_t i = home(key);
+    std::size_t i = home(key);
     while (true) {
       if (values_[i] == kEmpty) return;
       if (keys_[i] == key) break;
       i = (i + 1) & mask_;
     }
-    size_t hole = i;
-    for (size_t j = (hole + 1) & mask_; values_[j] != kEmpty; j = (j + 1) & mask_) {
-      size_t h = home(keys_[j]);
+    std::size_t hole = i;
+    for (std::size_t j = (hole + 1) & mask_; values_[j] != kEmpty; j = (j + 1) & mask_) {
+      std::size_t h = home(keys_[j]);
       // Move entry j into the hole if its home does not lie cyclically in (hole, j].
       bool home_in_range = hole <= j ? (hole < h && h <= j) : (hole < h || h <= j);
       if (!home_in_range) {
@@ -70,20 +71,20 @@ class FlatHashMap {
   /// Calls f(key, value) for every entry.
   template <typename F>
   void for_each(F&& f) const {
-    for (size_t i = 0; i < values_.size(); ++i)
+    for (std::size_t i = 0; i < values_.size(); ++i)
       if (values_[i] != kEmpty) f(keys_[i], values_[i]);
   }
 
  private:
   static constexpr int32_t kEmpty = -1;
   // Keys are already xxHash64 digests; the multiply spreads any structure in test keys.
-  [[nodiscard]] size_t home(uint64_t key) const noexcept {
-    return static_cast<size_t>((key * 0x9E3779B97F4A7C15ull) >> 17) & mask_;
+  [[nodiscard]] std::size_t home(uint64_t key) const noexcept {
+    return static_cast<std::size_t>((key * 0x9E3779B97F4A7C15ull) >> 17) & mask_;
   }
 
   std::vector<uint64_t> keys_;
   std::vector<int32_t> values_;
-  size_t mask_ = 0;
+  std::size_t mask_ = 0;
   int32_t size_ = 0;
 };
 
