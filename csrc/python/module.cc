@@ -69,4 +69,5 @@ PYBIND11_MODULE(_core, m) {
         "bytes (if given), then each token id as a little-endian int64.");
   atom_sched::bind_config(m);
   atom_sched::bind_scheduler(m);
+  atom_sched::bind_device(m);
 }
