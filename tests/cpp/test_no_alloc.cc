@@ -11,6 +11,10 @@
 
 #include "atom_sched/scheduler.h"
 
+// The replacement operator new below allocates with malloc, so its operator delete frees with
+// free; GCC cannot see that they pair up and warns at every inlined delete.
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+
 namespace {
 std::atomic<bool> g_counting{false};
 std::atomic<long> g_allocations{0};
