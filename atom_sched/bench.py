@@ -1,0 +1,832 @@
+"""The atom_sched benchmark suite: the host-cost budgets of DESIGN.md section 8, measured through
+the Python API with the batch arrays included.
+
+Each workload runs a real scheduler and times, with ``time.perf_counter_ns``, what an engine's
+step costs on the host: ``schedule()``, reading the numpy views a model runner uses
+(``positions``, ``slot_mapping``, ``block_tables``, ``scheduled_tokens``, ``context_lens``,
+``cu_seqlens_q``) and ``update(batch, sampled)`` with preallocated output arrays. Repetitions
+follow a warm-up; the result is the median with the 10th and 90th percentiles. The garbage
+collector is off while timing (as ``timeit`` does).
+
+Every workload always verifies, outside the timed region, that it did what it claims (each
+decode step had N rows, the prefix-sharing run got cache hits, the preemption run preempted...);
+``check=True`` adds a full per-step verification of the batch arrays and outputs plus the
+scheduler's invariants. A failed verification raises :class:`BenchCheckError`.
+
+Run it with ``atom-sched bench`` (see :mod:`atom_sched.cli`), or from Python::
+
+    from atom_sched import bench
+    results = bench.run_suite(quick=True)
+    print(bench.format_table(results))
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import SamplingParams, Scheduler, SchedulerConfig, __version__
+
+# ATOM's Python scheduler, measured on the same machine (DESIGN.md section 8): a decode step costs
+# about 20 µs per running request (2-5 ms at 256, 20-25 ms at 1,024, 80-110 ms at 4,096).
+ATOM_US_PER_REQUEST = 20.0
+
+BLOCK_SIZE = 16
+DECODE_SIZES = (64, 256, 1024, 4096)
+
+# DESIGN.md section 8 budgets, in the unit of the workload's result.
+BUDGETS: dict[str, float] = {
+    "decode_1024": 60.0,  # µs per step
+    "decode_4096": 200.0,  # µs per step
+    "admission": 2000.0,  # µs, all schedule() + update() calls
+    "mtp3_256": 30.0,  # µs per step
+    "marginal_py": 20.0,  # ns per running request per step (the budget is set for the C++ core)
+    "marginal_cpp": 20.0,  # ns per running request per step, C++ core
+}
+
+
+class BenchCheckError(AssertionError):
+    """A workload did not do the work it claims to measure."""
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise BenchCheckError(what)
+
+
+@dataclass
+class Result:
+    key: str
+    name: str
+    unit: str  # "µs/step", "µs total", "ns/request"
+    median: float
+    p10: float | None = None
+    p90: float | None = None
+    reps: int = 0
+    budget: float | None = None
+    atom: float | None = None  # ATOM's cost for the same work, in `unit`, if one can be stated
+    checked: bool = False  # the full per-step verification ran (check=True)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.budget is None else self.median / self.budget
+
+    @property
+    def status(self) -> str:
+        if self.budget is None:
+            return "info"
+        return "PASS" if self.median <= self.budget else "OVER"
+
+    @property
+    def speedup(self) -> float | None:
+        return None if not self.atom or self.median <= 0 else self.atom / self.median
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(ratio=self.ratio, status=self.status, speedup=self.speedup)
+        return d
+
+
+@dataclass(frozen=True)
+class Reps:
+    """Repetition counts of one suite run."""
+
+    decode: dict[int, int]
+    warmup: int
+    admission: int
+    admission_warmup: int
+    preemption: int
+    mtp: int
+
+    @staticmethod
+    def full() -> Reps:
+        return Reps(decode={64: 5000, 256: 4000, 1024: 3000, 4096: 2000}, warmup=200,
+                    admission=30, admission_warmup=3, preemption=4000, mtp=4000)
+
+    @staticmethod
+    def quick() -> Reps:
+        return Reps(decode={64: 2000, 256: 2000, 1024: 1000, 4096: 500}, warmup=50,
+                    admission=10, admission_warmup=1, preemption=1500, mtp=2000)
+
+
+def _summary(samples_ns: np.ndarray) -> tuple[float, float, float]:
+    us = samples_ns.astype(np.float64) / 1e3
+    p10, med, p90 = np.percentile(us, [10, 50, 90])
+    return float(med), float(p10), float(p90)
+
+
+class _NoGC:
+    """GC off while timing; also measures the share of the wall time this process was on a CPU
+    (process CPU time / wall time): well below 1 means other work took the CPU from the
+    benchmark and its timings are pessimistic."""
+
+    wall_ns = 0
+    cpu_ns = 0
+
+    def __enter__(self) -> _NoGC:
+        self.was = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        self._w = time.perf_counter_ns()
+        self._c = time.process_time_ns()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cpu_ns += time.process_time_ns() - self._c
+        self.wall_ns += time.perf_counter_ns() - self._w
+        if self.was:
+            gc.enable()
+
+    @property
+    def cpu_share(self) -> float:
+        return self.cpu_ns / self.wall_ns if self.wall_ns else 1.0
+
+
+def _touch(b: Any) -> int:
+    """What a model runner reads every step: the views it hands to attention and the sampler.
+
+    Each property builds a zero-copy numpy view; reading its last element makes sure it points at
+    real data. (Copying into staging buffers is measured separately: decode_1024_staged.)
+    """
+    p = b.positions
+    sm = b.slot_mapping
+    bt = b.block_tables
+    st = b.scheduled_tokens
+    cl = b.context_lens
+    cu = b.cu_seqlens_q
+    return int(p[-1]) + int(sm[-1]) + int(bt[-1, 0]) + int(st[-1]) + int(cl[-1]) + int(cu[-1])
+
+
+class _Staging:
+    """Preallocated host buffers a runner copies the batch into before the device transfer."""
+
+    def __init__(self, rows: int, tokens: int, width: int) -> None:
+        self.positions = np.zeros(tokens, np.int64)
+        self.slot_mapping = np.zeros(tokens, np.int64)
+        self.tokens = np.zeros(tokens, np.int32)
+        self.context_lens = np.zeros(rows, np.int32)
+        self.cu_q = np.zeros(rows + 1, np.int32)
+        self.block_tables = np.zeros((rows, width), np.int32)
+
+    def copy(self, b: Any) -> int:
+        n, r = b.num_tokens, b.num_rows
+        np.copyto(self.positions[:n], b.positions)
+        np.copyto(self.slot_mapping[:n], b.slot_mapping)
+        np.copyto(self.tokens[:n], b.scheduled_tokens)
+        np.copyto(self.context_lens[:r], b.context_lens)
+        np.copyto(self.cu_q[: r + 1], b.cu_seqlens_q)
+        w = -(-b.max_seqlen_k // BLOCK_SIZE)  # only the columns in use
+        np.copyto(self.block_tables[:r, :w], b.block_tables[:, :w])
+        return n
+
+
+def _table_width(cfg: SchedulerConfig) -> int:
+    try:
+        return int(cfg.max_blocks_per_request)
+    except AttributeError:  # older builds: the same formula as config.cc
+        k = cfg.num_speculative_tokens
+        return -(-(cfg.max_model_len + 2 * (k + 1)) // cfg.block_size)
+
+
+def _verify_rows(b: Any, prompts: np.ndarray | None = None) -> None:
+    """Full consistency check of one batch's arrays (check mode)."""
+    r, t = b.num_rows, b.num_tokens
+    nst = np.asarray(b.num_scheduled_tokens, np.int64)
+    cached = np.asarray(b.num_cached_tokens, np.int64)
+    cu = np.asarray(b.cu_seqlens_q, np.int64)
+    _require(len(b.req_ids) == r and len(b.positions) == t, "array lengths disagree with the batch")
+    _require(cu[0] == 0 and np.array_equal(np.diff(cu), nst) and cu[-1] == t, "cu_seqlens_q is off")
+    _require(np.array_equal(np.asarray(b.context_lens), cached + nst), "context_lens is off")
+    rows = np.repeat(np.arange(r), nst)
+    pos = np.asarray(b.positions)
+    _require(np.array_equal(pos, cached[rows] + (np.arange(t) - cu[rows])), "positions are off")
+    bt = np.asarray(b.block_tables)
+    expect_slots = bt[rows, pos // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+    _require(np.array_equal(np.asarray(b.slot_mapping), expect_slots),
+             "slot_mapping disagrees with block_tables")
+    if prompts is not None:
+        ids = np.asarray(b.req_ids)
+        _require(np.array_equal(np.asarray(b.scheduled_tokens), prompts[ids[rows], pos]),
+                 "scheduled_tokens are not the prompt tokens")
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads
+
+
+def _prefill_all(s: Scheduler, rows_max: int, k: int, drafts: np.ndarray | None) -> None:
+    """Runs prefill batches until the first decode batch has been scheduled and updated."""
+    ones = np.full(max(rows_max, 1), 7, np.int32)
+    while True:
+        b = s.schedule()
+        _require(b is not None, "setup: schedule() returned None while prefilling")
+        if not b.is_prefill:
+            n = b.num_rows
+            if k == 0:
+                s.update(b, ones[:n])
+            else:
+                acc = np.ones(n, np.int32)
+                s.update(b, np.full((n, k + 1), 7, np.int32), acc, drafts[:n])
+            return
+        n = b.num_rows
+        if k == 0:
+            s.update(b, ones[:n])
+        else:  # (rows, K+1) for prefill batches too; only column 0 counts
+            s.update(b, np.full((n, k + 1), 7, np.int32), None, drafts[:n])
+
+
+def decode_step(n: int, reps: int, warmup: int, *, k: int = 0, check: bool = False,
+                staged: bool = False, prompt_len: int = 64, seed: int = 0) -> Result:
+    """Steady-state decode with `n` running requests, K = `k` speculative tokens per row.
+
+    All prompts are prefilled first; max_tokens and the pool are large enough that nothing
+    finishes or is preempted while timing. One step = schedule() + reading the runner's views
+    (or, with `staged`, copying them into preallocated buffers) + update() with preallocated
+    sampled (and, for K > 0, num_accepted uniform in 1..K+1 and drafts) arrays.
+    """
+    rng = np.random.default_rng(seed)
+    w = k + 1
+    steps = warmup + reps
+    max_len = prompt_len + (steps + 4) * w + 2 * BLOCK_SIZE
+    max_len = -(-max_len // BLOCK_SIZE) * BLOCK_SIZE
+    cfg = SchedulerConfig(num_blocks=1, block_size=BLOCK_SIZE, max_num_seqs=n,
+                          max_num_batched_tokens=max(n * w, 8192), max_model_len=max_len,
+                          num_speculative_tokens=k)
+    width = _table_width(cfg)
+    cfg.num_blocks = n * (width + 1)
+    s = Scheduler(cfg)
+    sp = SamplingParams(max_tokens=max_len - prompt_len, ignore_eos=True)
+    for i in range(n):
+        s.add_request(i, rng.integers(3, 32000, prompt_len, dtype=np.int32), sp)
+    drafts = rng.integers(3, 32000, (n, k), dtype=np.int32) if k else None
+    _prefill_all(s, n, k, drafts)
+    _require(s.num_running == n and s.num_waiting == 0, "setup: not every request is running")
+
+    sampled = rng.integers(3, 32000, (n, w) if k else n, dtype=np.int32)
+    acc_ring = [rng.integers(1, w + 1, n, dtype=np.int32) for _ in range(64)] if k else []
+    stage = _Staging(n, n * w, width) if staged else None
+    times = np.zeros(reps, np.int64)
+    steps0 = s.stats()["num_steps"]
+    tokens0 = s.request_state(0)["num_tokens"]
+    sink = 0
+    prev: dict[str, np.ndarray] | None = None
+    expected_growth = 0
+    clock = time.perf_counter_ns
+    ng = _NoGC()
+    with ng:
+        for i in range(steps):
+            if k == 0:
+                t0 = clock()
+                b = s.schedule()
+                sink += stage.copy(b) if stage else _touch(b)
+                out = s.update(b, sampled)
+                t1 = clock()
+            else:
+                acc = acc_ring[i & 63]
+                t0 = clock()
+                b = s.schedule()
+                sink += stage.copy(b) if stage else _touch(b)
+                out = s.update(b, sampled, acc, drafts)
+                t1 = clock()
+            if i >= warmup:
+                times[i - warmup] = t1 - t0
+            # Always on, outside the timer: the step really was a decode step over n rows.
+            if b.num_rows != n or b.is_prefill:
+                raise BenchCheckError(f"decode step {i} had {b.num_rows} rows "
+                                      f"(prefill={b.is_prefill}), expected {n}")
+            if check:
+                prev = _check_decode_step(s, b, out, n, k, acc if k else None, drafts, prev)
+                if k:
+                    expected_growth += int(acc[np.flatnonzero(prev["ids"] == 0)[0]])
+    _require(s.stats()["num_steps"] - steps0 == steps, "scheduler step count is off")
+    _require(s.num_running == n and s.num_waiting == 0, "requests left the running set")
+    grown = s.request_state(0)["num_tokens"] - tokens0
+    if k == 0:
+        _require(grown == steps, f"request 0 gained {grown} tokens over {steps} steps")
+    else:
+        _require(steps <= grown <= steps * w, f"request 0 gained {grown} tokens over {steps} steps")
+        if check:
+            _require(grown == expected_growth, "request 0's tokens disagree with num_accepted")
+    if check:
+        s.check_invariants()
+    med, p10, p90 = _summary(times)
+    key = f"mtp{k}_{n}" if k else (f"decode_{n}_staged" if staged else f"decode_{n}")
+    if k:
+        name = f"decode step, MTP K={k}, {n:,} running"
+    elif staged:
+        name = f"decode step, {n:,} running + staging copies"
+    else:
+        name = f"decode step, {n:,} running"
+    return Result(key=key, name=name, unit="µs/step", median=med, p10=p10, p90=p90, reps=reps,
+                  budget=None if staged else BUDGETS.get(key), atom=ATOM_US_PER_REQUEST * n,
+                  checked=check,
+                  info={"rows": n, "tokens_per_step": n * w, "tokens_gained_by_request_0": grown,
+                        "touch": "staging copies" if staged else "views + last element",
+                        "cpu_share": ng.cpu_share})
+
+
+def _check_decode_step(s: Scheduler, b: Any, out: Any, n: int, k: int, acc: np.ndarray | None,
+                       drafts: np.ndarray | None, prev: dict[str, np.ndarray] | None
+                       ) -> dict[str, np.ndarray]:
+    w = k + 1
+    _verify_rows(b)
+    ids = np.array(b.req_ids)
+    _require(b.num_tokens == n * w, f"decode batch has {b.num_tokens} tokens, expected {n * w}")
+    _require(np.all(np.asarray(b.num_scheduled_tokens) == w), "a decode row is not K+1 tokens")
+    _require(np.array_equal(np.asarray(out.request_ids), ids), "update() did not emit every row")
+    gained = np.diff(np.asarray(out.token_offsets))
+    _require(np.array_equal(gained, acc if k else np.ones(n)), "tokens gained != num_accepted")
+    new = np.asarray(out.new_tokens)
+    last = new[np.asarray(out.token_offsets)[1:] - 1]
+    cached = np.asarray(b.num_cached_tokens)
+    if prev is not None:
+        _require(np.array_equal(prev["ids"], ids), "the row order changed in steady state")
+        _require(np.array_equal(np.asarray(b.scheduled_tokens)[::w], prev["last"]),
+                 "a row's input token is not its last sampled token")
+        # Rejected drafts are rolled back: the KV length grows by the accepted count only.
+        _require(np.array_equal(cached, prev["cached"] + prev["acc"]),
+                 "num_cached_tokens did not advance by num_accepted")
+        if k:
+            _require(np.array_equal(np.asarray(b.spec_draft_tokens), drafts),
+                     "spec_draft_tokens are not the drafts passed to update()")
+    return {"ids": ids, "last": last.copy(), "cached": cached.copy(),
+            "acc": (acc.astype(np.int64) if k else np.ones(n, np.int64))}
+
+
+def admission(reps: int, warmup: int, *, check: bool = False, num_prompts: int = 256,
+              prompt_len: int = 1024, shared_len: int = 768, budget_tokens: int = 16384,
+              seed: int = 1) -> Result:
+    """Admits `num_prompts` prompts of `prompt_len` tokens, every other one sharing a
+    `shared_len`-token prefix, with chunked prefill under a `budget_tokens` token budget.
+
+    Timed: the sum of every schedule() + view reads + update() until each prompt has been fully
+    prefilled (emitted its first token). add_request() is timed separately (info only). A fresh
+    scheduler per repetition. Prefix-cache hits start once the first batch's outputs are in.
+    """
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(3, 32000, shared_len, dtype=np.int32)
+    prompts = rng.integers(3, 32000, (num_prompts, prompt_len), dtype=np.int32)
+    sharing = np.arange(num_prompts) % 2 == 0
+    prompts[sharing, :shared_len] = prefix
+    cfg = SchedulerConfig(num_blocks=num_prompts * (prompt_len // BLOCK_SIZE + 1) + 1024,
+                          block_size=BLOCK_SIZE, max_num_seqs=num_prompts,
+                          max_num_batched_tokens=budget_tokens, max_model_len=2 * prompt_len,
+                          enable_prefix_caching=True, enable_chunked_prefill=True)
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    sampled = np.full(num_prompts, 7, np.int32)
+    totals, adds, calls_list, hits_list = [], [], [], []
+    clock = time.perf_counter_ns
+    shared_blocks = shared_len // BLOCK_SIZE
+    ng = _NoGC()
+    for rep in range(warmup + reps):
+        s = Scheduler(cfg)
+        with ng:
+            ta = clock()
+            for i in range(num_prompts):
+                s.add_request(i, prompts[i], sp)
+            add_ns = clock() - ta
+            total = 0
+            calls = 0
+            emitted = 0
+            first_batch_ids: set[int] = set()
+            cached_by_req: dict[int, int] = {}
+            while emitted < num_prompts:
+                t0 = clock()
+                b = s.schedule()
+                if b is None:
+                    raise BenchCheckError("admission: schedule() returned None")
+                _touch(b)
+                out = s.update(b, sampled[: b.num_rows])
+                total += clock() - t0
+                calls += 1
+                if not b.is_prefill:
+                    raise BenchCheckError("admission: a decode batch ran before every prompt "
+                                          "was prefilled")
+                emitted += len(out)
+                if check:
+                    _require(b.num_tokens <= budget_tokens, "batch over the token budget")
+                    _verify_rows(b, prompts)
+                    if calls == 1:
+                        first_batch_ids = {int(x) for x in b.req_ids}
+                    for o in out.outputs():
+                        _require(o.request_id not in cached_by_req, "a prompt emitted twice")
+                        _require(len(o.output_tokens) == 1, "a prefill emitted != 1 token")
+                        cached_by_req[o.request_id] = o.num_cached_tokens
+        hits = s.stats()["prefix_hit_tokens"]
+        # Always on: every prompt was prefilled and the shared prefix was served from the cache.
+        _require(emitted == num_prompts, "admission: not every prompt was prefilled")
+        _require(hits > 0, "admission: the prefix-sharing run got no cache hits")
+        _require(hits % (shared_blocks * BLOCK_SIZE) == 0, f"admission: odd hit count {hits}")
+        if check:
+            _require(len(cached_by_req) == num_prompts, "admission: missing outputs")
+            for i, c in cached_by_req.items():
+                if not sharing[i]:
+                    _require(c == 0, f"prompt {i} (no shared prefix) got {c} cached tokens")
+                elif i in first_batch_ids:
+                    _require(c == 0, f"prompt {i} hit before any output was published")
+                else:
+                    _require(c == shared_len, f"sharing prompt {i} got {c} cached tokens, "
+                             f"expected {shared_len}")
+            s.check_invariants()
+        if rep >= warmup:
+            totals.append(total)
+            adds.append(add_ns)
+            calls_list.append(calls)
+            hits_list.append(hits)
+    med, p10, p90 = _summary(np.array(totals))
+    computed = num_prompts * prompt_len - int(np.median(hits_list))
+    return Result(key="admission", name=f"admit {num_prompts} x {prompt_len}-token prompts, "
+                  f"half sharing {shared_len}", unit="µs total", median=med, p10=p10, p90=p90,
+                  reps=reps, budget=BUDGETS["admission"], atom=None, checked=check,
+                  info={"schedule_calls": int(np.median(calls_list)),
+                        "max_num_batched_tokens": budget_tokens,
+                        "prefix_hit_tokens": int(np.median(hits_list)),
+                        "prefix_hit_prompts": int(np.median(hits_list)) // shared_len,
+                        "tokens_computed": computed,
+                        "ns_per_computed_token": med * 1e3 / computed,
+                        "add_request_total_us": float(np.median(adds)) / 1e3,
+                        "cpu_share": ng.cpu_share})
+
+
+def preemption(reps: int, warmup: int, *, check: bool = False, n: int = 256,
+               prompt_len: int = 128, num_blocks: int = 2304, seed: int = 2) -> Result:
+    """Preemption pressure: `n` live requests (a finished one is replaced at once) against a KV
+    pool of `num_blocks` blocks, too small for all of them at their full length, so decode steps
+    preempt (recompute, LIFO) and preempted requests are re-prefilled.
+
+    Timed per step (prefill or decode): schedule() + view reads + update(). add_request() of the
+    replacements happens between steps, untimed.
+    """
+    rng = np.random.default_rng(seed)
+    cfg = SchedulerConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=n,
+                          max_num_batched_tokens=8192, max_model_len=4096)
+    s = Scheduler(cfg)
+    pool = [rng.integers(3, 32000, prompt_len, dtype=np.int32) for _ in range(64)]
+    max_tokens = rng.integers(64, 257, 4096)
+    next_id = 0
+
+    def add(count: int) -> None:
+        nonlocal next_id
+        for _ in range(count):
+            s.add_request(next_id, pool[next_id % 64],
+                          SamplingParams(max_tokens=int(max_tokens[next_id % 4096]),
+                                         ignore_eos=True))
+            next_id += 1
+
+    add(n)
+    sampled = np.full(n, 7, np.int32)
+    steps = warmup + reps
+    times = np.zeros(reps, np.int64)
+    kinds = np.zeros(reps, np.int8)  # 1 = decode
+    rows = np.zeros(reps, np.int32)
+    preempt0 = 0
+    none_steps = 0
+    clock = time.perf_counter_ns
+    ng = _NoGC()
+    with ng:
+        for i in range(steps):
+            if i == warmup:
+                preempt0 = s.stats()["num_preemptions"]
+            t0 = clock()
+            b = s.schedule()
+            if b is None:
+                t1 = clock()
+                none_steps += 1
+                continue
+            _touch(b)
+            out = s.update(b, sampled[: b.num_rows])
+            t1 = clock()
+            if i >= warmup:
+                j = i - warmup
+                times[j] = t1 - t0
+                kinds[j] = not b.is_prefill
+                rows[j] = b.num_rows
+            if check:
+                _verify_rows(b)
+                s.check_invariants()
+            finished = int(np.count_nonzero(out.finished))
+            if finished:
+                add(finished)
+    stats = s.stats()
+    preemptions = stats["num_preemptions"] - preempt0
+    # Always on: the run really was under preemption pressure and kept doing decode work.
+    _require(preemptions > 0, "preemption: no request was preempted while timing")
+    _require(np.count_nonzero(kinds) > 0, "preemption: no decode step ran")
+    _require(none_steps == 0, f"preemption: schedule() returned None {none_steps} times")
+    med, p10, p90 = _summary(times)
+    dec = kinds == 1
+    mean_rows = float(rows.mean())
+    return Result(key="preempt_256", name=f"preemption pressure, {n} live requests", unit="µs/step",
+                  median=med, p10=p10, p90=p90, reps=reps, budget=None,
+                  atom=ATOM_US_PER_REQUEST * mean_rows, checked=check,
+                  info={"preemptions_per_step": preemptions / reps,
+                        "decode_step_fraction": float(dec.mean()),
+                        "mean_rows_per_step": mean_rows,
+                        "mean_rows_per_decode_step": float(rows[dec].mean()),
+                        "median_decode_step_us": float(np.median(times[dec])) / 1e3,
+                        "median_prefill_step_us": (float(np.median(times[~dec])) / 1e3
+                                                   if (~dec).any() else None),
+                        "num_blocks": num_blocks, "requests_finished": stats["num_finished"],
+                        "cpu_share": ng.cpu_share})
+
+
+def marginal(results: dict[str, Result]) -> Result | None:
+    """ns per running request per decode step: the slope of the median step time between 1,024
+    and 4,096 running requests, from the Python decode results."""
+    a, b = results.get("decode_1024"), results.get("decode_4096")
+    if a is None or b is None:
+        return None
+    slope_ns = (b.median - a.median) * 1e3 / (4096 - 1024)
+    lo = (b.p10 - a.p90) * 1e3 / 3072 if a.p90 is not None and b.p10 is not None else None
+    hi = (b.p90 - a.p10) * 1e3 / 3072 if a.p10 is not None and b.p90 is not None else None
+    return Result(key="marginal_py", name="marginal cost per running request (Python, 1k->4k)",
+                  unit="ns/request", median=slope_ns, p10=lo, p90=hi, reps=min(a.reps, b.reps),
+                  budget=BUDGETS["marginal_py"], atom=ATOM_US_PER_REQUEST * 1e3,
+                  checked=a.checked and b.checked,
+                  info={"note": "p10/p90 are the extreme slopes (p90 of one end vs p10 of the "
+                                "other); the budget is stated for the C++ core"})
+
+
+# ---------------------------------------------------------------------------------------------
+# C++ benchmark (Google Benchmark) integration
+
+
+def find_cpp_bench(explicit: str | None = None) -> Path | None:
+    """The atom_sched_cpp_bench binary: `explicit`, $ATOM_SCHED_CPP_BENCH, or build/cpp/ under the
+    current directory or its parents (so it is found from the repository and from benchmarks/)."""
+    cands: list[Path] = []
+    if explicit:
+        cands.append(Path(explicit))
+    if os.environ.get("ATOM_SCHED_CPP_BENCH"):
+        cands.append(Path(os.environ["ATOM_SCHED_CPP_BENCH"]))
+    here = Path.cwd().resolve()
+    for d in (here, *here.parents):
+        cands.append(d / "build" / "cpp" / "atom_sched_cpp_bench")
+    for c in cands:
+        if c.is_file() and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def run_cpp_decode(binary: Path, quick: bool, timeout: float = 120.0) -> dict[str, Any]:
+    """Runs BM_DecodeStep of the C++ bench and returns {"per_step_us": {N: µs}, "ns_per_request":
+    {N: ns}, "allocs_per_step": {N: n}, "slope_ns": ns}, from CPU time per step. The slope is the
+    marginal cost between 1,024 and 4,096 requests."""
+    cmd = [str(binary), "--benchmark_filter=^BM_DecodeStep/", "--benchmark_format=json",
+           f"--benchmark_min_time={0.05 if quick else 0.5}",
+           f"--benchmark_repetitions={1 if quick else 3}",
+           "--benchmark_report_aggregates_only=" + ("false" if quick else "true")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True)
+    data = json.loads(proc.stdout)
+    per_step: dict[int, float] = {}
+    per_req: dict[int, float] = {}
+    allocs: dict[int, float] = {}
+    for bm in data["benchmarks"]:
+        if bm.get("error_occurred"):
+            raise BenchCheckError(f"C++ {bm['name']}: {bm.get('error_message')}")
+        if bm.get("run_type") == "aggregate" and bm.get("aggregate_name") != "median":
+            continue
+        n = int(bm["run_name"].split("/")[1])
+        scale = {"ns": 1e-3, "us": 1.0, "ms": 1e3}[bm.get("time_unit", "ns")]
+        # CPU time: single-threaded, so equal to wall time on an idle machine, and unaffected by
+        # other jobs taking the CPU away (which wall time is not).
+        per_step[n] = float(bm["cpu_time"]) * scale
+        per_req[n] = per_step[n] * 1e3 / n
+        allocs[n] = float(bm.get("allocs_per_step", 0.0))
+    slope = None
+    if 1024 in per_step and 4096 in per_step:
+        slope = (per_step[4096] - per_step[1024]) * 1e3 / 3072
+    return {"binary": str(binary), "per_step_us": per_step, "ns_per_request": per_req,
+            "allocs_per_step": allocs, "slope_ns": slope, "context": data.get("context", {})}
+
+
+# ---------------------------------------------------------------------------------------------
+# Suite
+
+
+@dataclass
+class Workload:
+    key: str
+    label: str
+    run: Callable[[], Result]
+
+
+def workloads(quick: bool = False, check: bool = False) -> list[Workload]:
+    r = Reps.quick() if quick else Reps.full()
+    out: list[Workload] = []
+    for n in DECODE_SIZES:
+        out.append(Workload(f"decode_{n}", f"decode {n}",
+                            lambda n=n: decode_step(n, r.decode[n], r.warmup, check=check)))
+    out.append(Workload("decode_1024_staged", "decode 1024 + staging",
+                        lambda: decode_step(1024, r.decode[1024], r.warmup, check=check,
+                                            staged=True)))
+    out.append(Workload("admission", "admission 256x1024",
+                        lambda: admission(r.admission, r.admission_warmup, check=check)))
+    out.append(Workload("preempt_256", "preemption 256",
+                        lambda: preemption(r.preemption, r.warmup, check=check)))
+    out.append(Workload("mtp3_256", "MTP K=3 256",
+                        lambda: decode_step(256, r.mtp, r.warmup, k=3, check=check)))
+    return out
+
+
+def run_suite(quick: bool = False, check: bool = False, only: str | None = None,
+              cpp_bench: Path | None = None,
+              progress: Callable[[Iterable[Workload]], Iterable[Workload]] | None = None,
+              ) -> list[Result]:
+    """Runs the workloads (those whose key contains `only`, if given) and derives the marginal
+    cost rows. `progress` wraps the workload iterable (e.g. tqdm)."""
+    wl = [w for w in workloads(quick, check) if only is None or only in w.key]
+    it = progress(wl) if progress else wl
+    results: dict[str, Result] = {}
+    for w in it:
+        if hasattr(it, "set_description"):
+            it.set_description(w.label)
+        res = w.run()
+        results[res.key] = res
+    m = marginal(results)
+    if m is not None:
+        results[m.key] = m
+    if cpp_bench is not None and (only is None or "decode" in only or "marginal" in only):
+        cpp = run_cpp_decode(cpp_bench, quick)
+        if cpp["slope_ns"] is not None:
+            results["marginal_cpp"] = Result(
+                key="marginal_cpp", name="marginal cost per running request (C++ core, 1k->4k)",
+                unit="ns/request", median=cpp["slope_ns"], reps=0, budget=BUDGETS["marginal_cpp"],
+                atom=ATOM_US_PER_REQUEST * 1e3,
+                info={"per_step_us": cpp["per_step_us"], "ns_per_request": cpp["ns_per_request"],
+                      "allocs_per_step": cpp["allocs_per_step"], "binary": cpp["binary"]})
+    return list(results.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}f}"
+
+
+def format_table(results: list[Result]) -> str:
+    head = ["workload", "unit", "median", "p10", "p90", "budget", "ratio", "status",
+            "ATOM est.", "speed-up"]
+    rows = []
+    for r in results:
+        rows.append([
+            r.name, r.unit, _fmt(r.median), _fmt(r.p10), _fmt(r.p90), _fmt(r.budget, 0),
+            "-" if r.ratio is None else f"{r.ratio:.2f}", r.status,
+            _fmt(r.atom, 0), "-" if r.speedup is None else f"{r.speedup:,.0f}x",
+        ])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    left = {0, 1, 7}
+
+    def line(cells: list[str]) -> str:
+        return " | ".join(c.ljust(w) if i in left else c.rjust(w)
+                          for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+
+    out = [line(head), "-+-".join("-" * w for w in widths)]
+    out += [line(row) for row in rows]
+    return "\n".join(out)
+
+
+def format_notes(results: list[Result]) -> str:
+    lines = []
+    for r in results:
+        i = r.info
+        if r.key == "admission":
+            lines.append(f"admission: {i['schedule_calls']} schedule() calls "
+                         f"(max_num_batched_tokens={i['max_num_batched_tokens']}), "
+                         f"{i['prefix_hit_tokens']:,} prefix-hit tokens "
+                         f"({i['prefix_hit_prompts']} prompts), {i['tokens_computed']:,} tokens "
+                         f"computed ({i['ns_per_computed_token']:.1f} ns/token); add_request x256 "
+                         f"(untimed): {i['add_request_total_us']:,.0f} µs")
+        elif r.key == "preempt_256":
+            pre = i["median_prefill_step_us"]
+            lines.append(f"preemption: {i['preemptions_per_step']:.2f} preemptions/step, "
+                         f"{100 * i['decode_step_fraction']:.0f}% decode steps, "
+                         f"{i['mean_rows_per_decode_step']:.0f} rows/decode step; median decode "
+                         f"step {i['median_decode_step_us']:.1f} µs, prefill step "
+                         f"{_fmt(pre)} µs; pool {i['num_blocks']} blocks")
+        elif r.key == "marginal_cpp":
+            per = ", ".join(f"{n}: {v:.1f} ns" for n, v in sorted(i["ns_per_request"].items()))
+            allocs = ", ".join(f"{n}: {v:g}" for n, v in sorted(i["allocs_per_step"].items()))
+            lines.append(f"C++ BM_DecodeStep ns/request: {per}; heap allocations/step: {allocs}")
+    contended = [f"{r.key} ({100 * r.info['cpu_share']:.0f}%)" for r in results
+                 if r.info.get("cpu_share", 1.0) < 0.9]
+    if contended:
+        lines.append("CONTENDED (share of wall time on a CPU < 90%, timings pessimistic): "
+                     + ", ".join(contended))
+    by = {r.key: r for r in results}
+    dec = [by[f"decode_{n}"] for n in DECODE_SIZES if f"decode_{n}" in by]
+    if dec:
+        lines.append("Python decode ns/request (median step / N): " + ", ".join(
+            f"{r.info['rows']}: {r.median * 1e3 / r.info['rows']:.1f}" for r in dec))
+    return "\n".join(lines)
+
+
+def metadata(quick: bool, check: bool) -> dict[str, Any]:
+    import numpy
+
+    return {
+        "atom_sched_version": __version__, "python": sys.version.split()[0],
+        "numpy": numpy.__version__, "platform": platform.platform(),
+        "machine": platform.machine(), "cpu_count": os.cpu_count(),
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "quick": quick, "check": check, "timer": "time.perf_counter_ns",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "atom_us_per_request": ATOM_US_PER_REQUEST,
+    }
+
+
+def write_json(path: Path, results: list[Result], meta: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "results": [r.to_dict() for r in results]},
+                               indent=2, default=str) + "\n")
+
+
+def plot_decode(path: Path, results: list[Result]) -> bool:
+    """µs per decode step against running requests (log-log), budgets and ATOM's estimate marked.
+    Returns False (writing nothing) if matplotlib is missing or no decode result exists."""
+    by = {r.key: r for r in results}
+    dec = [by[f"decode_{n}"] for n in DECODE_SIZES if f"decode_{n}" in by]
+    if not dec:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ns = np.array([r.info["rows"] for r in dec], float)
+    med = np.array([r.median for r in dec])
+    lo = med - np.array([r.p10 for r in dec])
+    hi = np.array([r.p90 for r in dec]) - med
+    fig, ax = plt.subplots(figsize=(7.5, 5.0), dpi=120)
+    ax.errorbar(ns, med, yerr=[lo, hi], marker="o", capsize=4, lw=2, color="tab:blue",
+                label="atom_sched, Python API (median, p10-p90)")
+    for x, y in zip(ns, med, strict=True):
+        ax.annotate(f"{y:.1f} µs", (x, y), textcoords="offset points", xytext=(6, -14),
+                    fontsize=8, color="tab:blue")
+    cpp = by.get("marginal_cpp")
+    if cpp is not None:
+        pts = sorted((int(n), v) for n, v in cpp.info["per_step_us"].items())
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s", ls="--", color="tab:green",
+                label="C++ core (Google Benchmark)")
+    bud = [(n, BUDGETS[f"decode_{n}"]) for n in DECODE_SIZES if f"decode_{n}" in BUDGETS]
+    ax.scatter([b[0] for b in bud], [b[1] for b in bud], marker="v", s=90, color="tab:red",
+               zorder=5, label="budget (DESIGN.md §8)")
+    for n, v in bud:
+        ax.annotate(f"budget {v:.0f} µs", (n, v), textcoords="offset points", xytext=(-30, 8),
+                    fontsize=8, color="tab:red")
+    xs = np.array([48, 5500])
+    ax.plot(xs, ATOM_US_PER_REQUEST * xs, ls=":", color="gray",
+            label=f"ATOM (~{ATOM_US_PER_REQUEST:.0f} µs/request)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(DECODE_SIZES)
+    ax.set_xticklabels([f"{n:,}" for n in DECODE_SIZES])
+    ax.set_xlim(48, 5500)
+    ax.set_xlabel("running requests (decode rows per step)")
+    ax.set_ylabel("µs per decode step (schedule + arrays + update)")
+    ax.set_title("atom_sched decode step host cost")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def which_tqdm() -> Any:
+    """tqdm's class, or None if tqdm is not installed."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm
+
+
+__all__ = [
+    "ATOM_US_PER_REQUEST", "BUDGETS", "BenchCheckError", "Result", "Reps", "Workload",
+    "admission", "decode_step", "find_cpp_bench", "format_notes", "format_table", "marginal",
+    "metadata", "plot_decode", "preemption", "run_cpp_decode", "run_suite", "which_tqdm",
+    "workloads", "write_json",
+]

