@@ -59,6 +59,7 @@ class SamplingParams:
     logprobs: bool
     stop_token_ids: list[int]
     stop_token_sequences: list[list[int]]
+    seed: int
     def __init__(
         self,
         *,
@@ -71,6 +72,7 @@ class SamplingParams:
         logprobs: bool = False,
         stop_token_ids: Sequence[int] = ...,
         stop_token_sequences: Sequence[Sequence[int]] = ...,
+        seed: int = -1,
     ) -> None: ...
     def validate(self) -> None: ...
 
@@ -152,6 +154,8 @@ class Batch:
     @property
     def block_table_width(self) -> int: ...
     @property
+    def block_size(self) -> int: ...
+    @property
     def req_ids(self) -> npt.NDArray[np.int64]: ...
     @property
     def request_slots(self) -> npt.NDArray[np.int32]: ...
@@ -169,6 +173,8 @@ class Batch:
     def top_ks(self) -> npt.NDArray[np.int32]: ...
     @property
     def top_ps(self) -> npt.NDArray[np.float32]: ...
+    @property
+    def seeds(self) -> npt.NDArray[np.int64]: ...
     @property
     def state_slots(self) -> npt.NDArray[np.int32]: ...
     @property

@@ -71,7 +71,7 @@ void bind_config(py::module_& m) {
       .def(py::init([](float temperature, int32_t top_k, float top_p, int32_t max_tokens,
                        bool ignore_eos, int32_t n, bool logprobs,
                        std::vector<int32_t> stop_token_ids,
-                       std::vector<std::vector<int32_t>> stop_token_sequences) {
+                       std::vector<std::vector<int32_t>> stop_token_sequences, int64_t seed) {
              SamplingParams p;
              p.temperature = temperature;
              p.top_k = top_k;
@@ -82,13 +82,14 @@ void bind_config(py::module_& m) {
              p.logprobs = logprobs;
              p.stop_token_ids = std::move(stop_token_ids);
              p.stop_token_sequences = std::move(stop_token_sequences);
+             p.seed = seed;
              p.validate();
              return p;
            }),
            py::kw_only(), "temperature"_a = 1.0f, "top_k"_a = -1, "top_p"_a = 1.0f,
            "max_tokens"_a = 64, "ignore_eos"_a = false, "n"_a = 1, "logprobs"_a = false,
            "stop_token_ids"_a = std::vector<int32_t>{},
-           "stop_token_sequences"_a = std::vector<std::vector<int32_t>>{})
+           "stop_token_sequences"_a = std::vector<std::vector<int32_t>>{}, "seed"_a = -1)
       .def_readwrite("temperature", &SamplingParams::temperature)
       .def_readwrite("top_k", &SamplingParams::top_k)
       .def_readwrite("top_p", &SamplingParams::top_p)
@@ -98,6 +99,7 @@ void bind_config(py::module_& m) {
       .def_readwrite("logprobs", &SamplingParams::logprobs)
       .def_readwrite("stop_token_ids", &SamplingParams::stop_token_ids)
       .def_readwrite("stop_token_sequences", &SamplingParams::stop_token_sequences)
+      .def_readwrite("seed", &SamplingParams::seed)
       .def("validate", &SamplingParams::validate)
       .def("__repr__", [](const SamplingParams& p) {
         return "SamplingParams(temperature=" + std::to_string(p.temperature) +

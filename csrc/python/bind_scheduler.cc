@@ -357,6 +357,10 @@ void bind_scheduler(py::module_& m) {
       .def_property_readonly("max_seqlen_k", [](const BatchView& v) { return v.get().max_seqlen_k; })
       .def_property_readonly("block_table_width",
                              [](const BatchView& v) { return v.get().block_table_width; })
+      .def_property_readonly("block_size", [](const BatchView& v) {
+        v.get();
+        return v.owner->core.config().block_size;  // fixed at construction: no lock needed
+      })
       .def_property_readonly("req_ids", row_array(&Batch::req_ids))
       .def_property_readonly("request_slots", row_array(&Batch::request_slots))
       .def_property_readonly("num_scheduled_tokens", row_array(&Batch::num_scheduled_tokens))
@@ -366,6 +370,7 @@ void bind_scheduler(py::module_& m) {
       .def_property_readonly("temperatures", row_array(&Batch::temperatures))
       .def_property_readonly("top_ks", row_array(&Batch::top_ks))
       .def_property_readonly("top_ps", row_array(&Batch::top_ps))
+      .def_property_readonly("seeds", row_array(&Batch::seeds))
       .def_property_readonly("state_slots", row_array(&Batch::state_slots))
       .def_property_readonly("emits_token", bool_row_array(&Batch::emits_token))
       .def_property_readonly("row_exact", bool_row_array(&Batch::row_exact))

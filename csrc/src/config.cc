@@ -53,6 +53,7 @@ void SamplingParams::validate() const {
   require(top_p > 0.0f && top_p <= 1.0f, "top_p must be in range (0.0, 1.0]" + got(double{top_p}));
   require(max_tokens >= 1, "max_tokens must be >= 1" + got(int64_t{max_tokens}));
   require(n >= 1, "n must be >= 1" + got(int64_t{n}));
+  require(seed >= -1, "seed must be >= 0, or -1 for none" + got(int64_t{seed}));
   for (int32_t t : stop_token_ids)
     require(t >= 0, "stop_token_ids must be >= 0" + got(int64_t{t}));
   for (const auto& seq : stop_token_sequences) {

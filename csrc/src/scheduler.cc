@@ -53,6 +53,7 @@ Scheduler::Scheduler(SchedulerConfig config)
     b.temperatures.resize(rows);
     b.top_ks.resize(rows);
     b.top_ps.resize(rows);
+    b.seeds.resize(rows);
     b.emits_token.resize(rows);
     b.row_exact.resize(rows);
     b.state_slots.resize(rows);
@@ -194,6 +195,7 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.temperature = params.temperature;
   r.top_k = params.top_k;
   r.top_p = params.top_p;
+  r.seed = params.seed;
   r.max_tokens = params.max_tokens;
   r.ignore_eos = params.ignore_eos;
   r.arrival_time = arrival_time;
@@ -716,6 +718,7 @@ int32_t Scheduler::begin_row(Batch& b, Request& r, int32_t slot, int32_t num_tok
   b.temperatures[row] = r.temperature;
   b.top_ks[row] = r.top_k;
   b.top_ps[row] = r.top_p;
+  b.seeds[row] = r.seed;
   b.state_slots[row] = r.state_slot;
   b.cu_seqlens_q[row + 1] = b.cu_seqlens_q[row] + num_tokens;
   b.cu_seqlens_k[row + 1] = b.cu_seqlens_k[row] + end;

@@ -709,3 +709,14 @@ def test_abort_and_reuse_id_with_batches_in_flight() -> None:
     d.run()
     d.check_all_done()
     d.check_against_oracle()
+
+
+def test_seed_travels_with_the_request_and_block_size_with_the_batch():
+    s = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
+    s.add_request(0, [1, 2, 3], SamplingParams(seed=7))
+    s.add_request(1, [4, 5, 6])
+    b = s.schedule()
+    assert b.seeds.tolist() == [7, -1] and b.seeds.dtype == np.int64
+    assert b.block_size == 4
+    with pytest.raises(ValueError):
+        SamplingParams(seed=-2)

@@ -34,6 +34,7 @@ struct Batch {
   std::vector<float> temperatures;
   std::vector<int32_t> top_ks;
   std::vector<float> top_ps;
+  std::vector<int64_t> seeds;        // the request's SamplingParams.seed (-1: none)
   std::vector<uint8_t> emits_token;  // 0 for a prefill chunk that does not finish the prompt
   std::vector<uint8_t> row_exact;    // 1 when every value of the row is exact
   std::vector<int32_t> state_slots;  // per-request state slot, -1 if none

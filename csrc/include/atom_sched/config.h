@@ -40,6 +40,7 @@ struct SamplingParams {
   bool ignore_eos = false;   // ignore EOS only (stop tokens and sequences still stop)
   int32_t n = 1;             // fan-out is the engine's job: the scheduler accepts 1 only
   bool logprobs = false;     // stream the sampled tokens' log-probabilities
+  int64_t seed = -1;         // the sampler's seed for this request; -1: the engine chooses
   std::vector<int32_t> stop_token_ids;                // per-request stop tokens
   std::vector<std::vector<int32_t>> stop_token_sequences;  // stop when generated tokens end so
 

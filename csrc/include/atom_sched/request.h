@@ -49,6 +49,7 @@ struct alignas(64) Request {
   float temperature = 1.0f;
   int32_t top_k = -1;
   float top_p = 1.0f;
+  int64_t seed = -1;
   std::vector<int32_t> tokens;        // R real tokens
   std::vector<int32_t> block_table;   // KV block ids
   std::vector<int32_t> drafts;        // K drafts proposed with the last output (sync protocol)
