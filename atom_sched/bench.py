@@ -110,16 +110,20 @@ class Reps:
     admission_warmup: int
     preemption: int
     mtp: int
+    pairs: int
+    pair_chunk: int
 
     @staticmethod
     def full() -> Reps:
         return Reps(decode={64: 5000, 256: 4000, 1024: 3000, 4096: 2000}, warmup=200,
-                    admission=30, admission_warmup=3, preemption=4000, mtp=4000)
+                    admission=30, admission_warmup=3, preemption=4000, mtp=4000,
+                    pairs=40, pair_chunk=50)
 
     @staticmethod
     def quick() -> Reps:
         return Reps(decode={64: 2000, 256: 2000, 1024: 1000, 4096: 500}, warmup=50,
-                    admission=10, admission_warmup=1, preemption=1500, mtp=2000)
+                    admission=10, admission_warmup=1, preemption=1500, mtp=2000,
+                    pairs=15, pair_chunk=40)
 
 
 def _summary(samples_ns: np.ndarray) -> tuple[float, float, float]:
@@ -128,18 +132,40 @@ def _summary(samples_ns: np.ndarray) -> tuple[float, float, float]:
     return float(med), float(p10), float(p90)
 
 
+def _busy_cpu_ns() -> int | None:
+    """Busy CPU time of the whole machine, all CPUs (Linux /proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    v = [int(x) for x in fields[1:]]
+    busy = sum(v[:8]) - v[3] - (v[4] if len(v) > 4 else 0)  # all but idle and iowait
+    return busy * (1_000_000_000 // (os.sysconf("SC_CLK_TCK") or 100))
+
+
 class _NoGC:
-    """GC off while timing; also measures the share of the wall time this process was on a CPU
-    (process CPU time / wall time): well below 1 means other work took the CPU from the
-    benchmark and its timings are pessimistic."""
+    """GC off while timing, plus two noise gauges over the timed region:
+
+    * cpu_share: this process's CPU time / wall time. Well below 1: other work took the CPU away.
+    * other_busy: CPU time other processes used meanwhile, as a fraction of the wall time
+      (from /proc/stat, 10 ms resolution). On this 2-CPU machine another busy process shares
+      caches and memory bandwidth (and, on the host, maybe a physical core) with the benchmark
+      even when it does not take its CPU, and slows it down measurably.
+    """
 
     wall_ns = 0
     cpu_ns = 0
+    machine_ns = 0
+    machine_ok = True
 
     def __enter__(self) -> _NoGC:
         self.was = gc.isenabled()
         gc.collect()
         gc.disable()
+        self._m = _busy_cpu_ns()
         self._w = time.perf_counter_ns()
         self._c = time.process_time_ns()
         return self
@@ -147,12 +173,28 @@ class _NoGC:
     def __exit__(self, *exc: object) -> None:
         self.cpu_ns += time.process_time_ns() - self._c
         self.wall_ns += time.perf_counter_ns() - self._w
+        m = _busy_cpu_ns()
+        if m is None or self._m is None:
+            self.machine_ok = False
+        else:
+            self.machine_ns += m - self._m
         if self.was:
             gc.enable()
 
+    # CPU-time clocks tick coarsely (/proc/stat in 10 ms steps): shorter windows give no gauge.
+    MIN_WALL_NS = 200_000_000
+
     @property
-    def cpu_share(self) -> float:
-        return self.cpu_ns / self.wall_ns if self.wall_ns else 1.0
+    def cpu_share(self) -> float | None:
+        if self.wall_ns < self.MIN_WALL_NS:
+            return None
+        return min(1.0, self.cpu_ns / self.wall_ns)
+
+    @property
+    def other_busy(self) -> float | None:
+        if not self.machine_ok or self.wall_ns < self.MIN_WALL_NS:
+            return None
+        return max(0.0, (self.machine_ns - self.cpu_ns) / self.wall_ns)
 
 
 def _touch(b: Any) -> int:
@@ -248,80 +290,123 @@ def _prefill_all(s: Scheduler, rows_max: int, k: int, drafts: np.ndarray | None)
             s.update(b, np.full((n, k + 1), 7, np.int32), None, drafts[:n])
 
 
+def _max_opt(*xs: float | None) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return max(vals) if vals else None
+
+
+def _min_opt(*xs: float | None) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return min(vals) if vals else None
+
+
+class _DecodeRig:
+    """A scheduler in steady-state decode with `n` running requests and K = `k` speculative tokens
+    per row, sized for `steps` decode steps: 64-token prompts all prefilled first; max_tokens and
+    the pool large enough that nothing finishes or is preempted.
+
+    One step = schedule() + reading the runner's views (or, with `staged`, copying them into
+    preallocated buffers) + update() with preallocated sampled (and, for K > 0, num_accepted
+    uniform in 1..K+1 and drafts) arrays.
+    """
+
+    def __init__(self, n: int, steps: int, *, k: int = 0, check: bool = False,
+                 staged: bool = False, prompt_len: int = 64, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.n, self.k, self.check, self.capacity = n, k, check, steps
+        w = k + 1
+        max_len = prompt_len + (steps + 4) * w + 2 * BLOCK_SIZE
+        max_len = -(-max_len // BLOCK_SIZE) * BLOCK_SIZE
+        cfg = SchedulerConfig(num_blocks=1, block_size=BLOCK_SIZE, max_num_seqs=n,
+                              max_num_batched_tokens=max(n * w, 8192), max_model_len=max_len,
+                              num_speculative_tokens=k)
+        width = _table_width(cfg)
+        cfg.num_blocks = n * (width + 1)
+        s = self.s = Scheduler(cfg)
+        sp = SamplingParams(max_tokens=max_len - prompt_len, ignore_eos=True)
+        for i in range(n):
+            s.add_request(i, rng.integers(3, 32000, prompt_len, dtype=np.int32), sp)
+        self.drafts = rng.integers(3, 32000, (n, k), dtype=np.int32) if k else None
+        _prefill_all(s, n, k, self.drafts)
+        _require(s.num_running == n and s.num_waiting == 0, "setup: not every request is running")
+        self.sampled = rng.integers(3, 32000, (n, w) if k else n, dtype=np.int32)
+        self.acc_ring = [rng.integers(1, w + 1, n, dtype=np.int32) for _ in range(64)] if k else []
+        self.stage = _Staging(n, n * w, width) if staged else None
+        self.steps_done = 0
+        self.steps0 = s.stats()["num_steps"]
+        self.tokens0 = s.request_state(0)["num_tokens"]
+        self.prev: dict[str, np.ndarray] | None = None
+        self.expected_growth = 0
+        self.sink = 0
+        self.ng = _NoGC()
+
+    def run(self, count: int, times: np.ndarray | None = None) -> None:
+        """Runs `count` decode steps, storing each step's ns in `times` (if given)."""
+        _require(self.steps_done + count <= self.capacity, "rig: more steps than it was sized for")
+        s, n, k, check = self.s, self.n, self.k, self.check
+        sampled, drafts, ring, stage = self.sampled, self.drafts, self.acc_ring, self.stage
+        touch = stage.copy if stage else _touch
+        clock = time.perf_counter_ns
+        acc = None
+        sink = 0
+        with self.ng:
+            for i in range(count):
+                if k == 0:
+                    t0 = clock()
+                    b = s.schedule()
+                    sink += touch(b)
+                    out = s.update(b, sampled)
+                    t1 = clock()
+                else:
+                    acc = ring[(self.steps_done + i) & 63]
+                    t0 = clock()
+                    b = s.schedule()
+                    sink += touch(b)
+                    out = s.update(b, sampled, acc, drafts)
+                    t1 = clock()
+                if times is not None:
+                    times[i] = t1 - t0
+                # Always on, outside the timer: the step really was a decode step over n rows.
+                if b.num_rows != n or b.is_prefill:
+                    raise BenchCheckError(f"decode step {self.steps_done + i} had {b.num_rows} "
+                                          f"rows (prefill={b.is_prefill}), expected {n}")
+                if check:
+                    self.prev = _check_decode_step(s, b, out, n, k, acc, drafts, self.prev)
+                    if k:
+                        row0 = np.flatnonzero(self.prev["ids"] == 0)[0]
+                        self.expected_growth += int(acc[row0])
+        self.steps_done += count
+        self.sink += sink
+
+    def verify(self) -> int:
+        """End-of-run checks; returns the tokens request 0 gained."""
+        s, steps, w = self.s, self.steps_done, self.k + 1
+        _require(s.stats()["num_steps"] - self.steps0 == steps, "scheduler step count is off")
+        _require(s.num_running == self.n and s.num_waiting == 0, "requests left the running set")
+        grown = s.request_state(0)["num_tokens"] - self.tokens0
+        if self.k == 0:
+            _require(grown == steps, f"request 0 gained {grown} tokens over {steps} steps")
+        else:
+            _require(steps <= grown <= steps * w,
+                     f"request 0 gained {grown} tokens over {steps} steps")
+            if self.check:
+                _require(grown == self.expected_growth,
+                         "request 0's tokens disagree with num_accepted")
+        if self.check:
+            s.check_invariants()
+        return grown
+
+
 def decode_step(n: int, reps: int, warmup: int, *, k: int = 0, check: bool = False,
                 staged: bool = False, prompt_len: int = 64, seed: int = 0) -> Result:
-    """Steady-state decode with `n` running requests, K = `k` speculative tokens per row.
-
-    All prompts are prefilled first; max_tokens and the pool are large enough that nothing
-    finishes or is preempted while timing. One step = schedule() + reading the runner's views
-    (or, with `staged`, copying them into preallocated buffers) + update() with preallocated
-    sampled (and, for K > 0, num_accepted uniform in 1..K+1 and drafts) arrays.
-    """
-    rng = np.random.default_rng(seed)
-    w = k + 1
-    steps = warmup + reps
-    max_len = prompt_len + (steps + 4) * w + 2 * BLOCK_SIZE
-    max_len = -(-max_len // BLOCK_SIZE) * BLOCK_SIZE
-    cfg = SchedulerConfig(num_blocks=1, block_size=BLOCK_SIZE, max_num_seqs=n,
-                          max_num_batched_tokens=max(n * w, 8192), max_model_len=max_len,
-                          num_speculative_tokens=k)
-    width = _table_width(cfg)
-    cfg.num_blocks = n * (width + 1)
-    s = Scheduler(cfg)
-    sp = SamplingParams(max_tokens=max_len - prompt_len, ignore_eos=True)
-    for i in range(n):
-        s.add_request(i, rng.integers(3, 32000, prompt_len, dtype=np.int32), sp)
-    drafts = rng.integers(3, 32000, (n, k), dtype=np.int32) if k else None
-    _prefill_all(s, n, k, drafts)
-    _require(s.num_running == n and s.num_waiting == 0, "setup: not every request is running")
-
-    sampled = rng.integers(3, 32000, (n, w) if k else n, dtype=np.int32)
-    acc_ring = [rng.integers(1, w + 1, n, dtype=np.int32) for _ in range(64)] if k else []
-    stage = _Staging(n, n * w, width) if staged else None
+    """Steady-state decode with `n` running requests (see _DecodeRig): `warmup` untimed steps,
+    then `reps` timed ones."""
+    rig = _DecodeRig(n, warmup + reps, k=k, check=check, staged=staged, prompt_len=prompt_len,
+                     seed=seed)
+    rig.run(warmup)
     times = np.zeros(reps, np.int64)
-    steps0 = s.stats()["num_steps"]
-    tokens0 = s.request_state(0)["num_tokens"]
-    sink = 0
-    prev: dict[str, np.ndarray] | None = None
-    expected_growth = 0
-    clock = time.perf_counter_ns
-    ng = _NoGC()
-    with ng:
-        for i in range(steps):
-            if k == 0:
-                t0 = clock()
-                b = s.schedule()
-                sink += stage.copy(b) if stage else _touch(b)
-                out = s.update(b, sampled)
-                t1 = clock()
-            else:
-                acc = acc_ring[i & 63]
-                t0 = clock()
-                b = s.schedule()
-                sink += stage.copy(b) if stage else _touch(b)
-                out = s.update(b, sampled, acc, drafts)
-                t1 = clock()
-            if i >= warmup:
-                times[i - warmup] = t1 - t0
-            # Always on, outside the timer: the step really was a decode step over n rows.
-            if b.num_rows != n or b.is_prefill:
-                raise BenchCheckError(f"decode step {i} had {b.num_rows} rows "
-                                      f"(prefill={b.is_prefill}), expected {n}")
-            if check:
-                prev = _check_decode_step(s, b, out, n, k, acc if k else None, drafts, prev)
-                if k:
-                    expected_growth += int(acc[np.flatnonzero(prev["ids"] == 0)[0]])
-    _require(s.stats()["num_steps"] - steps0 == steps, "scheduler step count is off")
-    _require(s.num_running == n and s.num_waiting == 0, "requests left the running set")
-    grown = s.request_state(0)["num_tokens"] - tokens0
-    if k == 0:
-        _require(grown == steps, f"request 0 gained {grown} tokens over {steps} steps")
-    else:
-        _require(steps <= grown <= steps * w, f"request 0 gained {grown} tokens over {steps} steps")
-        if check:
-            _require(grown == expected_growth, "request 0's tokens disagree with num_accepted")
-    if check:
-        s.check_invariants()
+    rig.run(reps, times)
+    grown = rig.verify()
     med, p10, p90 = _summary(times)
     key = f"mtp{k}_{n}" if k else (f"decode_{n}_staged" if staged else f"decode_{n}")
     if k:
@@ -333,9 +418,42 @@ def decode_step(n: int, reps: int, warmup: int, *, k: int = 0, check: bool = Fal
     return Result(key=key, name=name, unit="µs/step", median=med, p10=p10, p90=p90, reps=reps,
                   budget=None if staged else BUDGETS.get(key), atom=ATOM_US_PER_REQUEST * n,
                   checked=check,
-                  info={"rows": n, "tokens_per_step": n * w, "tokens_gained_by_request_0": grown,
+                  info={"rows": n, "tokens_per_step": n * (k + 1),
+                        "tokens_gained_by_request_0": grown,
                         "touch": "staging copies" if staged else "views + last element",
-                        "cpu_share": ng.cpu_share})
+                        "cpu_share": rig.ng.cpu_share, "other_busy": rig.ng.other_busy})
+
+
+def marginal_paired(pairs: int, chunk: int, warmup: int, *, check: bool = False,
+                    lo: int = 1024, hi: int = 4096) -> Result:
+    """ns per running request per decode step, measured in pairs: `chunk` steps at `lo` running,
+    then `chunk` at `hi`, `pairs` times over; each pair gives a slope (median step time at `hi`
+    minus at `lo`, over hi - lo). Both sides of a pair see the same machine conditions, so a
+    burst of other work moves both instead of skewing the difference. Reports the median pair
+    slope and its 10th/90th percentiles."""
+    steps = warmup + pairs * chunk
+    a = _DecodeRig(lo, steps, check=check, seed=10)
+    b = _DecodeRig(hi, steps, check=check, seed=11)
+    a.run(warmup)
+    b.run(warmup)
+    ta = np.zeros(chunk, np.int64)
+    tb = np.zeros(chunk, np.int64)
+    slopes = np.zeros(pairs)
+    for p in range(pairs):
+        a.run(chunk, ta)
+        b.run(chunk, tb)
+        slopes[p] = (np.median(tb) - np.median(ta)) / (hi - lo)
+    a.verify()
+    b.verify()
+    p10, med, p90 = (float(x) for x in np.percentile(slopes, [10, 50, 90]))
+    return Result(key="marginal_py", name=f"marginal cost per running request (Python, "
+                  f"{lo // 1024}k->{hi // 1024}k paired)", unit="ns/request", median=med, p10=p10,
+                  p90=p90, reps=pairs, budget=BUDGETS["marginal_py"],
+                  atom=ATOM_US_PER_REQUEST * 1e3, checked=check,
+                  info={"pairs": pairs, "steps_per_side": chunk,
+                        "cpu_share": _min_opt(a.ng.cpu_share, b.ng.cpu_share),
+                        "other_busy": _max_opt(a.ng.other_busy, b.ng.other_busy),
+                        "note": "the budget is stated for the C++ core"})
 
 
 def _check_decode_step(s: Scheduler, b: Any, out: Any, n: int, k: int, acc: np.ndarray | None,
@@ -458,7 +576,7 @@ def admission(reps: int, warmup: int, *, check: bool = False, num_prompts: int =
                         "tokens_computed": computed,
                         "ns_per_computed_token": med * 1e3 / computed,
                         "add_request_total_us": float(np.median(adds)) / 1e3,
-                        "cpu_share": ng.cpu_share})
+                        "cpu_share": ng.cpu_share, "other_busy": ng.other_busy})
 
 
 def preemption(reps: int, warmup: int, *, check: bool = False, n: int = 256,
@@ -540,24 +658,16 @@ def preemption(reps: int, warmup: int, *, check: bool = False, n: int = 256,
                         "median_prefill_step_us": (float(np.median(times[~dec])) / 1e3
                                                    if (~dec).any() else None),
                         "num_blocks": num_blocks, "requests_finished": stats["num_finished"],
-                        "cpu_share": ng.cpu_share})
+                        "cpu_share": ng.cpu_share, "other_busy": ng.other_busy})
 
 
-def marginal(results: dict[str, Result]) -> Result | None:
-    """ns per running request per decode step: the slope of the median step time between 1,024
-    and 4,096 running requests, from the Python decode results."""
+def split_slope(results: dict[str, Result]) -> float | None:
+    """ns per running request per step from the separate decode_1024 and decode_4096 medians
+    (measured at different times, so more exposed to machine noise than marginal_paired)."""
     a, b = results.get("decode_1024"), results.get("decode_4096")
     if a is None or b is None:
         return None
-    slope_ns = (b.median - a.median) * 1e3 / (4096 - 1024)
-    lo = (b.p10 - a.p90) * 1e3 / 3072 if a.p90 is not None and b.p10 is not None else None
-    hi = (b.p90 - a.p10) * 1e3 / 3072 if a.p10 is not None and b.p90 is not None else None
-    return Result(key="marginal_py", name="marginal cost per running request (Python, 1k->4k)",
-                  unit="ns/request", median=slope_ns, p10=lo, p90=hi, reps=min(a.reps, b.reps),
-                  budget=BUDGETS["marginal_py"], atom=ATOM_US_PER_REQUEST * 1e3,
-                  checked=a.checked and b.checked,
-                  info={"note": "p10/p90 are the extreme slopes (p90 of one end vs p10 of the "
-                                "other); the budget is stated for the C++ core"})
+    return (b.median - a.median) * 1e3 / (4096 - 1024)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -586,8 +696,11 @@ def run_cpp_decode(binary: Path, quick: bool, timeout: float = 120.0) -> dict[st
     {N: ns}, "allocs_per_step": {N: n}, "slope_ns": ns}, from CPU time per step. The slope is the
     marginal cost between 1,024 and 4,096 requests."""
     cmd = [str(binary), "--benchmark_filter=^BM_DecodeStep/", "--benchmark_format=json",
-           f"--benchmark_min_time={0.05 if quick else 0.5}",
-           f"--benchmark_repetitions={1 if quick else 3}",
+           f"--benchmark_min_time={0.05 if quick else 0.2}",
+           f"--benchmark_repetitions={1 if quick else 5}",
+           # Repetitions of the four sizes run in random order, so machine noise spreads over
+           # all of them instead of skewing the 1,024 vs 4,096 difference.
+           "--benchmark_enable_random_interleaving=" + ("false" if quick else "true"),
            "--benchmark_report_aggregates_only=" + ("false" if quick else "true")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True)
     data = json.loads(proc.stdout)
@@ -639,6 +752,8 @@ def workloads(quick: bool = False, check: bool = False) -> list[Workload]:
                         lambda: preemption(r.preemption, r.warmup, check=check)))
     out.append(Workload("mtp3_256", "MTP K=3 256",
                         lambda: decode_step(256, r.mtp, r.warmup, k=3, check=check)))
+    out.append(Workload("marginal_py", "marginal 1k->4k (paired)",
+                        lambda: marginal_paired(r.pairs, r.pair_chunk, r.warmup, check=check)))
     return out
 
 
@@ -656,9 +771,6 @@ def run_suite(quick: bool = False, check: bool = False, only: str | None = None,
             it.set_description(w.label)
         res = w.run()
         results[res.key] = res
-    m = marginal(results)
-    if m is not None:
-        results[m.key] = m
     if cpp_bench is not None and (only is None or "decode" in only or "marginal" in only):
         cpp = run_cpp_decode(cpp_bench, quick)
         if cpp["slope_ns"] is not None:
@@ -728,12 +840,21 @@ def format_notes(results: list[Result]) -> str:
             allocs = ", ".join(f"{n}: {v:g}" for n, v in sorted(i["allocs_per_step"].items()))
             lines.append(f"C++ BM_DecodeStep ns/request: {per}; heap allocations/step: {allocs}")
     contended = [f"{r.key} ({100 * r.info['cpu_share']:.0f}%)" for r in results
-                 if r.info.get("cpu_share", 1.0) < 0.9]
+                 if (r.info.get("cpu_share") or 1.0) < 0.9]
     if contended:
         lines.append("CONTENDED (share of wall time on a CPU < 90%, timings pessimistic): "
                      + ", ".join(contended))
+    noisy = [f"{r.key} ({100 * r.info['other_busy']:.0f}%)" for r in results
+             if (r.info.get("other_busy") or 0.0) > 0.25]
+    if noisy:
+        lines.append("NOISY (other processes busy > 25% of the time meanwhile, timings may be "
+                     "inflated): " + ", ".join(noisy))
     by = {r.key: r for r in results}
     dec = [by[f"decode_{n}"] for n in DECODE_SIZES if f"decode_{n}" in by]
+    sl = split_slope(by)
+    if sl is not None:
+        lines.append("Python slope from the separate decode_1024/decode_4096 rows: "
+                     f"{sl:.1f} ns/request")
     if dec:
         lines.append("Python decode ns/request (median step / N): " + ", ".join(
             f"{r.info['rows']}: {r.median * 1e3 / r.info['rows']:.1f}" for r in dec))
@@ -826,7 +947,8 @@ def which_tqdm() -> Any:
 
 __all__ = [
     "ATOM_US_PER_REQUEST", "BUDGETS", "BenchCheckError", "Result", "Reps", "Workload",
-    "admission", "decode_step", "find_cpp_bench", "format_notes", "format_table", "marginal",
+    "admission", "decode_step", "find_cpp_bench", "format_notes", "format_table",
+    "marginal_paired", "split_slope",
     "metadata", "plot_decode", "preemption", "run_cpp_decode", "run_suite", "which_tqdm",
     "workloads", "write_json",
 ]

@@ -6,6 +6,8 @@
 // Debian's Google Benchmark 1.7 takes --benchmark_min_time=<seconds> without an "s" suffix.
 // See benchmarks/README.md for what each benchmark measures and for the DESIGN.md section 8 budgets.
 //
+// Times: Google Benchmark reports wall ("Time") and CPU ("CPU") time per iteration; rates and
+// ns_per_request use CPU time, which stays meaningful when other jobs share the machine.
 // Counters:
 //   items_per_second  requests (decode rows) per second for the decode benchmarks, blocks per
 //                     second for the pool benchmarks, prompts per second for admission;
@@ -33,6 +35,10 @@
 #include "atom_sched/xxhash64.h"
 
 // ---- Allocation counting -------------------------------------------------------------------------
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12 sees malloc'ed memory released by the replaced operator delete (free) after inlining.
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
 // Replaces the global allocation functions so that a benchmark can report heap allocations per
 // step. Relaxed atomics: a counter increment costs about a nanosecond and only allocations pay it.
 namespace {
@@ -123,8 +129,8 @@ class DecodeFixture {
       auto prompt = random_tokens(rng_, kPromptLen);
       sched_->add_request(i, prompt, sp);
     }
-    // Prefill everything (prefill batches take one token per row).
-    std::vector<int32_t> one(static_cast<size_t>(n_), 7);
+    // Prefill everything. Outputs are [rows, K+1] for prefill batches too; only column 0 counts.
+    std::vector<int32_t> one(static_cast<size_t>(n_) * (k_ + 1), 7);
     for (;;) {
       const Batch* b = sched_->schedule();
       if (b == nullptr) return false;
@@ -133,7 +139,7 @@ class DecodeFixture {
         break;
       }
       ModelOutputs out;
-      out.sampled_token_ids = std::span<const int32_t>(one.data(), b->num_rows);
+      out.sampled_token_ids = std::span<const int32_t>(one.data(), size_t(b->num_rows) * (k_ + 1));
       if (k_ > 0) {
         out.draft_token_ids = std::span<const int32_t>(drafts_.data(), size_t(b->num_rows) * k_);
       }
