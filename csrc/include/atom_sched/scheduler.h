@@ -191,7 +191,7 @@ class Scheduler {
   void add_decode_row(Batch& b, int32_t slot);
   int32_t begin_row(Batch& b, Request& r, int32_t slot, int32_t num_tokens);
   void ship_new_blocks(Batch& b, int32_t row, Request& r);
-  void fill_block_table_row(Batch& b, int32_t row, const Request& r);
+  void fill_block_table_row(Batch& b, int32_t row, const Request& r, bool same_owner);
   void set_computed(Request& r, int32_t num_computed);  // keeps num_partial_ in step
 
   // Outputs.
@@ -217,6 +217,7 @@ class Scheduler {
   uint64_t next_batch_id_ = 1;
 
   StepOutput step_output_;
+  int32_t so_entries_ = 0, so_tokens_ = 0;  // filled so far by the update() in progress
   std::vector<RejectedRequest> rejected_;
   SchedulerStats stats_;
 
