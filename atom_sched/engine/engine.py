@@ -81,6 +81,9 @@ class Completion:
     text: str
     finish_reason: str | None
     num_cached_tokens: int
+    # Prefill side of a disaggregated request: what the decode engine needs to pull its KV
+    # (ATOM's kv_transfer_params_output); None otherwise.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -137,6 +140,8 @@ class _Request:
     finished: bool = False
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    drafts: list[int] = field(default_factory=list)  # the drafter's latest proposal
+    kv_transfer_params: dict[str, Any] | None = None  # the connector's output, at the finish
 
     def append(self, toks: np.ndarray) -> None:
         n = toks.shape[0]
@@ -201,6 +206,7 @@ class LLMEngine:
         self._requests: dict[int, _Request] = {}
         self._pending: deque[_InFlight] = deque()
         self._next_id = 0
+        self._kv_connector: Any = None
 
     # ---- requests ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
@@ -231,8 +237,15 @@ class LLMEngine:
         return seqs
 
     def add_request(self, prompt: str | Sequence[int], params: GenerationParams | None = None,
-                    *, chat: bool = True, request_id: int | None = None) -> int:
+                    *, chat: bool = True, request_id: int | None = None,
+                    kv_transfer_params: dict[str, Any] | None = None) -> int:
+        """Queue a request; returns its id. ``kv_transfer_params`` (prefill/decode
+        disaggregation, ATOM's and vLLM's keys) goes to the attached KV connector:
+        ``{"do_remote_decode": True}`` on the prefill engine (with ``max_tokens=1``), the prefill
+        side's :attr:`Completion.kv_transfer_params` on the decode engine."""
         params = params or GenerationParams()
+        if kv_transfer_params is not None and self._kv_connector is None:
+            raise ValueError("kv_transfer_params needs a KV connector (set_kv_connector)")
         ids = self.encode_prompt(prompt, chat) if isinstance(prompt, str) else [int(t)
                                                                                  for t in prompt]
         rid = self._next_id if request_id is None else int(request_id)
@@ -246,7 +259,19 @@ class LLMEngine:
         self.scheduler.add_request(rid, ids, sp)
         hist = np.zeros(len(ids) + params.max_tokens + 8, dtype=np.int64)
         hist[: len(ids)] = ids
-        self._requests[rid] = _Request(rid, ids, params, int(seed), hist, len(ids))
+        req = _Request(rid, ids, params, int(seed), hist, len(ids))
+        self._requests[rid] = req
+        if kv_transfer_params is not None:
+            try:
+                self._kv_connector.add_request(rid, ids, dict(kv_transfer_params))
+            except BaseException:
+                self.scheduler.abort_request(rid)
+                del self._requests[rid]
+                raise
+            t0 = kv_transfer_params.get("first_token_id")
+            if kv_transfer_params.get("do_remote_prefill") and t0 is not None:
+                # The scheduler injects the producer's first token; the drafter sees it too.
+                req.append(np.array([int(t0)], dtype=np.int64))
         return rid
 
     def abort(self, request_id: int) -> None:
@@ -255,7 +280,66 @@ class LLMEngine:
         req.finished, req.finish_reason = True, "abort"
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+        """Requests to run, batches in flight, or KV transfers still going on."""
+        conn = self._kv_connector
+        return (self.scheduler.has_unfinished_requests() or bool(self._pending)
+                or (conn is not None and conn.has_pending()))
+
+    # ---- KV transfer (prefill/decode disaggregation) ----------------------------------------
+    def set_kv_connector(self, connector: Any) -> None:
+        """Attach a KV connector: an :class:`atom_sched.KVConnector` (the scheduler calls its
+        scheduler side) that also implements the engine side: ``bind(engine)``,
+        ``add_request(request_id, prompt_token_ids, kv_transfer_params)``,
+        ``poll(timeout_ms) -> (finished_sending, finished_recving, failed)`` (moves the KV; run
+        once per step, on the engine's thread) and ``has_pending()``. See
+        :mod:`atom_sched.connectors`. ``None`` detaches it."""
+        if connector is not None:
+            for name in ("bind", "add_request", "poll", "has_pending"):
+                if not callable(getattr(connector, name, None)):
+                    raise TypeError(f"the engine's KV connector needs a {name}() method")
+        self.scheduler.set_kv_connector(connector)
+        self._kv_connector = connector
+        if connector is not None:
+            connector.bind(self)
+
+    @property
+    def kv_connector(self) -> Any:
+        return self._kv_connector
+
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Keys and values of ``block_ids``, all layers:
+        ``[num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]`` (a copy)."""
+        return self.cache.read_blocks(list(block_ids))
+
+    def write_kv_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        """Write KV laid out as :meth:`read_kv_blocks` returns it into ``block_ids``."""
+        self.cache.write_blocks(list(block_ids), data)
+
+    def last_drafts(self, request_id: int) -> list[int]:
+        """The drafter's latest proposal for a request (empty without speculative decoding)."""
+        req = self._requests.get(request_id)
+        return list(req.drafts) if req is not None else []
+
+    def _poll_kv_transfers(self, idle: bool) -> tuple[bool, list[StreamEvent]]:
+        """Let the connector move KV; report finished transfers to the scheduler; end requests
+        whose transfer failed. Waits up to a few ms for the sockets when the step was idle."""
+        conn = self._kv_connector
+        sending, recving, failed = conn.poll(5 if idle else 0)
+        events = []
+        for rid, why in failed.items():
+            # Abort first: the scheduler keeps the blocks until the receive is reported below.
+            if rid in self.scheduler:
+                self.scheduler.abort_request(rid)
+            req = self._requests.get(rid)
+            reason = "kv transfer failed: " + why
+            if req is not None and not req.finished:
+                req.finished, req.finish_reason = True, reason
+                events.append(StreamEvent(rid, [], "", True, reason))
+        recving = list(recving) + [rid for rid in failed if rid not in recving]
+        if sending or recving:
+            self.scheduler.update_from_kv_xfer_finished(finished_sending=list(sending),
+                                                        finished_recving=recving)
+        return bool(sending or recving or failed), events
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[StreamEvent]:
@@ -274,7 +358,16 @@ class LLMEngine:
         if self._pending and (len(self._pending) >= max_out or batch is None):
             events = self._deliver(self._pending.popleft())
         events += self._take_rejected()
-        if batch is None and not self._pending and self.scheduler.has_unfinished_requests():
+        xfer_active = False
+        if self._kv_connector is not None:
+            # ATOM's order: after the forward (or an empty schedule), collect the finished
+            # transfers and report them before the next schedule().
+            xfer_active = self._kv_connector.has_pending()
+            progressed, failed = self._poll_kv_transfers(batch is None and not self._pending)
+            events += failed
+            xfer_active = xfer_active or progressed
+        if (batch is None and not self._pending and not xfer_active
+                and self.scheduler.has_unfinished_requests()):
             raise RuntimeError("scheduler has unfinished requests but schedules nothing "
                                "(KV pool too small for a single request?)")
         return events
@@ -286,6 +379,8 @@ class LLMEngine:
         tm = self.timings
         k = self.config.num_speculative_tokens
         t0 = time.perf_counter()
+        if self._kv_connector is not None and not batch.is_prefill:
+            self._seed_remote_decode_slots(batch)
         inp = self.builder.prepare(batch)
         t1 = time.perf_counter()
         if self.config.check_builder:
@@ -326,6 +421,7 @@ class LLMEngine:
             req.append(toks[r, : acc[r]])
             if self.drafter is not None:
                 drafts[r] = self.drafter.propose(req.hist[: req.hist_len])
+                req.drafts = drafts[r].tolist()
         t5 = time.perf_counter()
         if drafts is not None:
             self.builder.store_drafts(result, torch.from_numpy(drafts))
@@ -345,6 +441,32 @@ class LLMEngine:
             tm.decode_rows += n
             tm.decode_tokens += int(acc[:n].sum())
         return _InFlight(batch, result)
+
+    def _seed_remote_decode_slots(self, batch: Any) -> None:
+        """The first decode of a request whose prompt KV came from a remote prefill runs on a
+        fresh device slot (``slot_reset``), but the builder's plan gives a decode row neither
+        its start position nor its input token: both come from the slot's state, which never
+        saw a prefill. Seed that state from the host batch, which knows both (the prefill
+        side's first token, and its drafts). Workaround until the plan carries them."""
+        reset = np.asarray(batch.slot_reset)[: batch.num_rows]
+        if not reset.any():
+            return
+        b = self.builder
+        slots = np.asarray(batch.request_slots)
+        cached = np.asarray(batch.num_cached_tokens)
+        toks = np.asarray(batch.scheduled_tokens)
+        cu = np.asarray(batch.cu_seqlens_q)
+        k = self.config.num_speculative_tokens
+        for r in np.nonzero(reset)[0]:
+            slot, first = int(slots[r]), int(toks[cu[r]])
+            if first < 0:
+                raise RuntimeError(f"request {int(batch.req_ids[r])}: the first decode after a "
+                                   "remote prefill has no known input token")
+            b._computed[slot] = int(cached[r])
+            b._last_token[slot] = first
+            if k:
+                b._drafts[slot, :k] = torch.from_numpy(
+                    np.array(batch.spec_draft_tokens[r], dtype=np.int32))
 
     def _deliver(self, f: _InFlight) -> list[StreamEvent]:
         tm = self.timings
@@ -372,6 +494,9 @@ class LLMEngine:
                 reason = "stop_string"
             if finished:
                 req.finished, req.finish_reason = True, reason
+                take = getattr(self._kv_connector, "take_kv_transfer_params_output", None)
+                if take is not None:
+                    req.kv_transfer_params = take(req.rid)
             events.append(StreamEvent(req.rid, toks, delta, finished, reason))
         tm.update += t1 - t0
         tm.detok += time.perf_counter() - t1
@@ -431,7 +556,7 @@ class LLMEngine:
     def completion(self, rid: int) -> Completion:
         req = self._requests[rid]
         return Completion(rid, list(req.prompt), list(req.output), req.text, req.finish_reason,
-                          req.num_cached_tokens)
+                          req.num_cached_tokens, req.kv_transfer_params)
 
     def release(self, rid: int) -> None:
         """Forget a finished request's bookkeeping."""

@@ -93,6 +93,36 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """``(block_size, kv_heads, head_dim)``: one block of one layer's keys (or values)."""
+        return tuple(self.k[0].shape[1:])
+
+    def read_blocks(self, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """The keys and values of ``block_ids`` in every layer, as one new contiguous tensor
+        ``[num_layers, 2 (k, v), len(block_ids), block_size, kv_heads, head_dim]`` (for a KV
+        transfer: prefill/decode disaggregation)."""
+        ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.k[0].device)
+        out = torch.empty((len(self.k), 2, ids.numel(), *self.block_shape),
+                          dtype=self.k[0].dtype, device=self.k[0].device)
+        for li, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            torch.index_select(k, 0, ids, out=out[li, 0])
+            torch.index_select(v, 0, ids, out=out[li, 1])
+        return out
+
+    def write_blocks(self, block_ids: list[int] | torch.Tensor, data: torch.Tensor) -> None:
+        """Write ``data`` (laid out as :meth:`read_blocks` returns it) into ``block_ids``."""
+        ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.k[0].device)
+        want = (len(self.k), 2, ids.numel(), *self.block_shape)
+        if tuple(data.shape) != want:
+            raise ValueError(f"KV data of shape {tuple(data.shape)}, expected {want}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise ValueError(f"block ids out of range [0, {self.num_blocks})")
+        data = data.to(device=self.k[0].device, dtype=self.k[0].dtype)
+        for li, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            k.index_copy_(0, ids, data[li, 0])
+            v.index_copy_(0, ids, data[li, 1])
+
 
 class _AttnMeta:
     """Index tensors shared by every layer of one step (built once per forward)."""
