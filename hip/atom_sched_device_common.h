@@ -73,7 +73,7 @@ ATOM_SCHED_HD Row read_row(const PlanView& p, int32_t r, int32_t num_slots) {
 /// An invalid row counts as a row of q tokens starting at 0 (its tokens become padding).
 ATOM_SCHED_HD int32_t row_seq_len(const Row& row, const SlotState& s) {
   if (!row.valid) return row.q;
-  if (row.flags & kRowPrefill) return row.start + row.q;
+  if (row.flags & (kRowPrefill | kRowHostInput)) return row.start + row.q;
   return s.computed[row.slot] + row.q;
 }
 
@@ -83,12 +83,20 @@ ATOM_SCHED_HD int32_t row_errors(const Row& row, int32_t r, const PlanView& p,
   if (r >= p.num_rows) return 0;
   if (!row.valid) return kErrSlot;
   int32_t e = 0;
-  if (row.flags & kRowPrefill) {
+  if (row.flags & (kRowPrefill | kRowHostInput)) {
     if (row.token_offset < 0 || row.q > p.num_host_tokens - row.token_offset) e |= kErrHostToken;
-  } else if (row.q > s.k + 1) {
-    e |= kErrDecodeWidth;
   }
+  if (!(row.flags & kRowPrefill) && row.q > s.k + 1) e |= kErrDecodeWidth;
   return e;
+}
+
+/// A kRowHostInput row (errors already excluded): the slot's last token and drafts become the
+/// row's host tokens [last, d1..dK], as if a decode step had left them there.
+ATOM_SCHED_HD void seed_decode_slot(const Row& row, const PlanView& p, const SlotState& s) {
+  const int32_t* t = p.tokens + row.token_offset;
+  s.last_token[row.slot] = t[0];
+  for (int32_t j = 0; j < s.k; ++j)
+    s.drafts[static_cast<int64_t>(row.slot) * s.k + j] = j + 1 < row.q ? t[j + 1] : t[0];
 }
 
 /// Index of the row whose tokens contain token t: the last r in [0, n) with qsl[r] <= t.
@@ -119,7 +127,7 @@ ATOM_SCHED_HD TokenOut token_out(const Row& row, int32_t j, int32_t seq_len, con
   const int32_t pos = seq_len - row.q + j;
   o.position = pos;
   if (!row.valid) return o;
-  if (row.flags & kRowPrefill) {
+  if (row.flags & (kRowPrefill | kRowHostInput)) {
     const int64_t at = static_cast<int64_t>(row.token_offset) + j;
     if (at >= 0 && at < p.num_host_tokens) {
       o.input_id = p.tokens[at];

@@ -69,6 +69,11 @@ inline constexpr int32_t kRowPrefill = 1;
 inline constexpr int32_t kRowReset = 2;
 /// The row samples a token (a decode row, or the prefill chunk that completes the prompt).
 inline constexpr int32_t kRowEmits = 4;
+/// A decode row whose inputs only the host knows: the first decode on a fresh slot after a remote
+/// prefill (the slot never saw this request's prompt). Its start and tokens come from the plan as
+/// for a prefill row, and the slot's last token and drafts are set from those tokens, so the
+/// row is verified like any decode row.
+inline constexpr int32_t kRowHostInput = 8;
 // Block record: {slot, index in the slot's table row, block id}.
 inline constexpr int32_t kPlanBlockWords = 3;
 

@@ -96,6 +96,8 @@ __global__ void __launch_bounds__(kApplyThreads)
       seq = detail::row_seq_len(row, s);
       if (row.valid) {
         s.computed[row.slot] = seq;
+        if ((row.flags & kRowHostInput) && !detail::row_errors(row, r, p, s))
+          detail::seed_decode_slot(row, p, s);
         if (row.flags & kRowReset) reset_slots[atomicAdd(&num_resets, 1)] = row.slot;
       }
     }

@@ -103,7 +103,7 @@ Status pack_plan(const PlanSource& src, int32_t* out, int64_t capacity_words, in
         src.cu_seqlens_q[r + 1] - src.cu_seqlens_q[r] != q)
       return make_status(StatusCode::kInvalidArgument,
                          "pack_plan: row %d: offsets disagree with the row's sizes", r);
-    if (src.is_prefill[r]) host_tokens += q;
+    if (src.is_prefill[r] || src.slot_reset[r]) host_tokens += q;
   }
   if (host_tokens > 0 && src.scheduled_tokens == nullptr)
     return make_status(StatusCode::kInvalidArgument, "pack_plan: scheduled_tokens is null");
@@ -125,14 +125,18 @@ Status pack_plan(const PlanSource& src, int32_t* out, int64_t capacity_words, in
     const int32_t slot = src.request_slots[r];
     const int32_t q = src.num_scheduled_tokens[r];
     const bool prefill = src.is_prefill[r] != 0;
+    // A decode row on a fresh slot (after a remote prefill) carries its inputs like a prefill.
+    const bool host_input = !prefill && src.slot_reset[r] != 0;
+    const bool carries_tokens = prefill || host_input;
     const int32_t flags = (prefill ? kRowPrefill : 0) | (src.slot_reset[r] ? kRowReset : 0) |
-                          (src.emits_token[r] ? kRowEmits : 0);
+                          (src.emits_token[r] ? kRowEmits : 0) |
+                          (host_input ? kRowHostInput : 0);
     int32_t* w = rows + static_cast<int64_t>(kPlanRowWords) * r;
     w[0] = slot;
     w[1] = q | (flags << kRowFlagShift);
-    w[2] = prefill ? src.num_cached_tokens[r] : 0;
-    w[3] = prefill ? tok : 0;
-    if (prefill) {
+    w[2] = carries_tokens ? src.num_cached_tokens[r] : 0;
+    w[3] = carries_tokens ? tok : 0;
+    if (carries_tokens) {
       std::memcpy(tokens + tok, src.scheduled_tokens + src.cu_seqlens_q[r],
                   sizeof(int32_t) * static_cast<size_t>(q));
       tok += q;
@@ -179,6 +183,8 @@ Status apply_plan_ref(const int32_t* plan, const SlotState& state, const StepInp
     errors |= detail::row_errors(row, r, p, state);
     const int32_t seq = detail::row_seq_len(row, state);
     if (row.valid) state.computed[row.slot] = seq;
+    if (row.valid && (row.flags & kRowHostInput) && !detail::row_errors(row, r, p, state))
+      detail::seed_decode_slot(row, p, state);
     out.seq_lens[r] = seq;
     q_total += row.q;
     k_total += seq;

@@ -379,8 +379,6 @@ class LLMEngine:
         tm = self.timings
         k = self.config.num_speculative_tokens
         t0 = time.perf_counter()
-        if self._kv_connector is not None and not batch.is_prefill:
-            self._seed_remote_decode_slots(batch)
         inp = self.builder.prepare(batch)
         t1 = time.perf_counter()
         if self.config.check_builder:
@@ -441,32 +439,6 @@ class LLMEngine:
             tm.decode_rows += n
             tm.decode_tokens += int(acc[:n].sum())
         return _InFlight(batch, result)
-
-    def _seed_remote_decode_slots(self, batch: Any) -> None:
-        """The first decode of a request whose prompt KV came from a remote prefill runs on a
-        fresh device slot (``slot_reset``), but the builder's plan gives a decode row neither
-        its start position nor its input token: both come from the slot's state, which never
-        saw a prefill. Seed that state from the host batch, which knows both (the prefill
-        side's first token, and its drafts). Workaround until the plan carries them."""
-        reset = np.asarray(batch.slot_reset)[: batch.num_rows]
-        if not reset.any():
-            return
-        b = self.builder
-        slots = np.asarray(batch.request_slots)
-        cached = np.asarray(batch.num_cached_tokens)
-        toks = np.asarray(batch.scheduled_tokens)
-        cu = np.asarray(batch.cu_seqlens_q)
-        k = self.config.num_speculative_tokens
-        for r in np.nonzero(reset)[0]:
-            slot, first = int(slots[r]), int(toks[cu[r]])
-            if first < 0:
-                raise RuntimeError(f"request {int(batch.req_ids[r])}: the first decode after a "
-                                   "remote prefill has no known input token")
-            b._computed[slot] = int(cached[r])
-            b._last_token[slot] = first
-            if k:
-                b._drafts[slot, :k] = torch.from_numpy(
-                    np.array(batch.spec_draft_tokens[r], dtype=np.int32))
 
     def _deliver(self, f: _InFlight) -> list[StreamEvent]:
         tm = self.timings

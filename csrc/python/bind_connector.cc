@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -25,11 +26,21 @@ struct PyConnectorRequest {
   int32_t num_prompt_tokens;
   std::vector<int32_t> block_ids;
   int32_t num_cached_tokens;
+  std::vector<int32_t> draft_token_ids;
+  std::optional<std::string> finish_reason;
 };
 
 PyConnectorRequest copy_of(const ConnectorRequest& r) {
-  return {r.id, {r.token_ids.begin(), r.token_ids.end()}, r.num_prompt_tokens,
-          {r.block_ids.begin(), r.block_ids.end()}, r.num_cached_tokens};
+  std::optional<std::string> reason;
+  if (r.finish_reason != FinishReason::kNone)
+    reason = finish_reason_string(r.finish_reason, r.stop_token);
+  return {r.id,
+          {r.token_ids.begin(), r.token_ids.end()},
+          r.num_prompt_tokens,
+          {r.block_ids.begin(), r.block_ids.end()},
+          r.num_cached_tokens,
+          {r.draft_token_ids.begin(), r.draft_token_ids.end()},
+          std::move(reason)};
 }
 
 // Forwards each call to the Python subclass. A Python exception becomes a std::runtime_error
@@ -91,6 +102,8 @@ void bind_connector_types(py::module_& m) {
       .def_readonly("num_prompt_tokens", &PyConnectorRequest::num_prompt_tokens)
       .def_readonly("block_ids", &PyConnectorRequest::block_ids)
       .def_readonly("num_cached_tokens", &PyConnectorRequest::num_cached_tokens)
+      .def_readonly("draft_token_ids", &PyConnectorRequest::draft_token_ids)
+      .def_readonly("finish_reason", &PyConnectorRequest::finish_reason)
       .def_property_readonly("prompt_token_ids",
                              [](const PyConnectorRequest& r) {
                                return std::vector<int32_t>(

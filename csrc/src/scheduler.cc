@@ -224,6 +224,8 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.remote_ready = r.awaiting_send = r.awaiting_recv = false;
   r.remote_first_token = -1;
   r.remote_drafts.clear();
+  r.pending_stop = FinishReason::kNone;
+  r.pending_stop_token = -1;
   slot_by_id_[id] = slot;
   list_push_back(waiting_, slot);
 }
@@ -249,6 +251,8 @@ void Scheduler::finish(int32_t slot, FinishReason reason, int32_t stop_token) {
   } else {
     list_remove(waiting_, slot);
   }
+  r.finish_reason = reason;
+  r.stop_token = stop_token;
   // Blocks a transfer may still write (KV arriving) or read (KV being sent) stay allocated until
   // the connector reports the transfer done.
   bool keep_blocks = false;
@@ -265,8 +269,6 @@ void Scheduler::finish(int32_t slot, FinishReason reason, int32_t stop_token) {
   if (keep_blocks) deferred_[r.id] = slot;
   release_kv(r, keep_blocks);
   r.status = RequestStatus::kFinished;
-  r.finish_reason = reason;
-  r.stop_token = stop_token;
   slot_by_id_.erase(r.id);
   if (reason != FinishReason::kAborted && reason != FinishReason::kUnschedulable)
     ++stats_.num_finished;
@@ -280,6 +282,9 @@ ConnectorRequest Scheduler::connector_view(const Request& r) const {
   v.num_prompt_tokens = r.num_prompt_tokens;
   v.block_ids = r.block_table;
   v.num_cached_tokens = r.prefix_hit_tokens;
+  v.draft_token_ids = r.drafts;
+  v.finish_reason = r.finish_reason;
+  v.stop_token = r.stop_token;
   return v;
 }
 
@@ -532,6 +537,9 @@ void Scheduler::start_remote_decode(int32_t slot) {
     // The producer's first token becomes a real token, streamed with the first output.
     r.tokens.push_back(r.remote_first_token);
     r.num_unstreamed = 1;
+    // It may already end the request (EOS, max_tokens=1): the first decode's output then only
+    // streams it and finishes, whatever the row sampled.
+    r.pending_stop = stop_reason(r, r.pending_stop_token);
   }
   for (int32_t j = 0; j < k_; ++j)
     r.drafts[j] = j < static_cast<int32_t>(r.remote_drafts.size()) ? r.remote_drafts[j]
@@ -898,8 +906,8 @@ void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs
   // Tokens known but not streamed yet (a remote prefill's first token) go out with them.
   const int32_t stream_from = r.num_tokens() - r.num_unstreamed;
   const int32_t* sampled = out.sampled_token_ids.data() + static_cast<size_t>(row) * width;
-  FinishReason reason = FinishReason::kNone;
-  int32_t stop_token = -1;
+  FinishReason reason = r.pending_stop;
+  int32_t stop_token = r.pending_stop_token;
   int32_t kept = 0;
   while (kept < accepted && reason == FinishReason::kNone) {
     r.tokens.push_back(sampled[kept++]);

@@ -255,3 +255,30 @@ def test_count_admittable_head_prefills():
     assert s.count_admittable_head_prefills(1) == 1
     assert s.count_admittable_head_prefills(4) == 2
     assert s.count_admittable_head_prefills(0) == 0
+
+
+@pytest.mark.parametrize("first_token, max_tokens, reason", [(2, 8, "eos"), (42, 1, "max_tokens")])
+def test_an_injected_first_token_that_stops_ends_the_request(first_token, max_tokens, reason):
+    s = make()
+    s.set_kv_connector(Consumer(remote=[4], first_token=first_token))
+    s.add_request(4, list(range(10, 18)), SamplingParams(max_tokens=max_tokens))
+    s.schedule()
+    s.update_from_kv_xfer_finished(finished_recving=[4])
+    _, outs = step(s, [77])
+    assert [(o.output_tokens, o.finish_reason) for o in outs] == [([first_token], reason)]
+    assert not s.has_unfinished_requests()
+    assert s.num_free_blocks == s.num_blocks
+
+
+def test_request_finished_sees_the_reason_and_the_drafts():
+    class Recording(Producer):
+        def request_finished(self, request):
+            self.finished.append((request.finish_reason, list(request.draft_token_ids)))
+            return False
+
+    s = make(k=2)
+    conn = Recording()
+    s.set_kv_connector(conn)
+    s.add_request(0, list(range(10, 16)), SamplingParams(max_tokens=1))
+    step(s, [60], k=2)
+    assert conn.finished == [("max_tokens", [5, 5])]

@@ -16,6 +16,8 @@
 #include <span>
 #include <vector>
 
+#include "atom_sched/step_output.h"
+
 namespace atom_sched {
 
 /// What a connector sees of a request. Spans point into the scheduler and are valid for the call.
@@ -25,6 +27,9 @@ struct ConnectorRequest {
   int32_t num_prompt_tokens = 0;
   std::span<const int32_t> block_ids;  // the request's KV blocks (empty before allocation)
   int32_t num_cached_tokens = 0;       // prefix-cache hit tokens of the current admission
+  std::span<const int32_t> draft_token_ids;  // drafts proposed with the last output (K or empty)
+  FinishReason finish_reason = FinishReason::kNone;  // set for request_finished()
+  int32_t stop_token = -1;                           // the stop token of a kStopToken finish
 };
 
 /// get_num_new_matched_tokens()'s answer.

@@ -62,6 +62,8 @@ struct alignas(64) Request {
   FinishReason finish_reason = FinishReason::kNone;
   int32_t stop_token = -1;
   int32_t remote_first_token = -1;      // the producer's first token, injected when the KV arrives
+  FinishReason pending_stop = FinishReason::kNone;  // the injected first token already stops it
+  int32_t pending_stop_token = -1;
   std::vector<int32_t> remote_drafts;   // the producer's drafts, likewise
 
   [[nodiscard]] int32_t num_tokens() const noexcept { return static_cast<int32_t>(tokens.size()); }
