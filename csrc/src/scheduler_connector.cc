@@ -1,0 +1,113 @@
+// The scheduler's KV-connector side: the views a connector sees, transfer reports, and the move
+// of a remotely prefilled request into the decode set.
+#include <string>
+
+#include "atom_sched/errors.h"
+#include "atom_sched/scheduler.h"
+#include "scheduler_internal.h"
+
+namespace atom_sched {
+
+using detail::id_str;
+
+ConnectorRequest Scheduler::connector_view(const Request& r) const {
+  ConnectorRequest v;
+  v.id = r.id;
+  v.token_ids = r.tokens;
+  v.num_prompt_tokens = r.num_prompt_tokens;
+  v.block_ids = r.block_table;
+  v.num_cached_tokens = r.prefix_hit_tokens;
+  v.draft_token_ids = r.drafts;
+  v.finish_reason = r.finish_reason;
+  v.stop_token = r.stop_token;
+  return v;
+}
+
+void Scheduler::connector_failed(const Request& r, const char* call, const std::exception& e) {
+  ++stats_.num_connector_errors;
+  connector_errors_.push_back("request " + id_str(r.id) + ": " + call + ": " + e.what());
+}
+
+std::vector<std::string> Scheduler::take_connector_errors() {
+  std::vector<std::string> out;
+  out.swap(connector_errors_);
+  return out;
+}
+
+void Scheduler::update_from_kv_xfer_finished(std::span<const int64_t> finished_sending,
+                                             std::span<const int64_t> finished_recving) {
+  // Validate every id first: a bad report changes nothing.
+  for (int64_t id : finished_recving) {
+    auto it = deferred_.find(id);
+    if (it != deferred_.end() && requests_[it->second].awaiting_recv) continue;
+    const int32_t s = slot_of(id);
+    if (s < 0) throw UnknownRequest("finished_recving names unknown request " + id_str(id));
+    if (requests_[s].status != RequestStatus::kWaitingForRemoteKv || requests_[s].remote_ready)
+      throw InvalidArgument("finished_recving: request " + id_str(id) +
+                            " is not waiting for remote KV");
+  }
+  for (int64_t id : finished_sending) {
+    auto it = deferred_.find(id);
+    if (it == deferred_.end() || !requests_[it->second].awaiting_send)
+      throw UnknownRequest("finished_sending names request " + id_str(id) +
+                           ", which has no KV waiting to be sent");
+  }
+  auto release = [&](int32_t s) {
+    Request& r = requests_[s];
+    if (r.awaiting_send || r.awaiting_recv) return;
+    pool_.free(r.block_table);
+    r.block_table.clear();
+    deferred_.erase(r.id);
+    release_slot_if_done(s);
+  };
+  for (int64_t id : finished_recving) {
+    auto it = deferred_.find(id);
+    if (it != deferred_.end()) {  // aborted while its KV was arriving: now the blocks can go
+      const int32_t s = it->second;
+      requests_[s].awaiting_recv = false;
+      release(s);
+    } else {
+      requests_[slot_of(id)].remote_ready = true;
+    }
+  }
+  for (int64_t id : finished_sending) {
+    const int32_t s = deferred_.at(id);
+    requests_[s].awaiting_send = false;
+    release(s);
+  }
+}
+
+
+void Scheduler::start_remote_decode(int32_t slot) {
+  Request& r = requests_[slot];
+  const int32_t bs = config_.block_size;
+  // The remote prefill filled the prompt's blocks: publish its full ones (ATOM never did, 8.15).
+  // Only real prompt tokens are hashed, never the injected token or drafts (8.16).
+  const int32_t first = r.prefix_hit_tokens / bs;
+  const int32_t end = r.num_prompt_tokens / bs;
+  if (config_.enable_prefix_caching && first < end) {
+    ensure_block_hashes(r, end);
+    pool_.publish(r.block_table, r.block_hashes, r.tokens, first, end);
+  }
+  if (config_.num_state_slots > 0) r.state_slot = pool_.take_state_slot();
+  take_device_slot(r);
+  if (r.remote_first_token >= 0) {
+    // The producer's first token becomes a real token, streamed with the first output.
+    r.tokens.push_back(r.remote_first_token);
+    r.num_unstreamed = 1;
+    // It may already end the request (EOS, max_tokens=1): the first decode's output then only
+    // streams it and finishes, whatever the row sampled.
+    r.pending_stop = stop_reason(r, r.pending_stop_token);
+  }
+  for (int32_t j = 0; j < k_; ++j)
+    r.drafts[j] = j < static_cast<int32_t>(r.remote_drafts.size()) ? r.remote_drafts[j]
+                                                                   : r.tokens.back();
+  // Without T0 the first decode re-forwards the last prompt token, whose KV already exists.
+  r.num_computed_tokens = r.num_tokens() - 1;
+  r.prefill_target = r.num_computed_tokens;
+  r.status = RequestStatus::kRunning;
+  list_push_back(running_, slot);
+  ++stats_.num_remote_prefills;
+}
+
+}  // namespace atom_sched

@@ -1,0 +1,117 @@
+// Scheduler::check_invariants(): every invariant of the scheduler and its block pool.
+#include <algorithm>
+#include <string>
+
+#include "atom_sched/errors.h"
+#include "atom_sched/scheduler.h"
+#include "scheduler_internal.h"
+
+namespace atom_sched {
+
+using detail::ceil_div;
+using detail::check;
+using detail::id_str;
+
+// ---------------------------------------------------------------------------------------------
+// Invariants
+
+void Scheduler::check_invariants() const {
+  const int32_t bs = config_.block_size;
+  std::vector<int32_t> refs(pool_.num_blocks(), 0);
+  std::vector<int32_t> inflight(requests_.size(), 0);
+  for (int32_t i = 0; i < num_outstanding_; ++i) {
+    const Batch& b = batches_[(next_buffer_ - num_outstanding_ + i + kMaxOutstandingBatches) %
+                              kMaxOutstandingBatches];
+    check(b.num_rows <= config_.max_num_seqs, "batch has more rows than max_num_seqs");
+    check(b.num_tokens <= config_.max_num_batched_tokens, "batch exceeds the token budget");
+    for (int32_t row = 0; row < b.num_rows; ++row) ++inflight[b.request_index[row]];
+  }
+  int32_t live = 0, partial = 0;
+  std::vector<uint8_t> device_slot_used(config_.max_num_seqs, 0);
+  for (int32_t d : free_device_slots_) {
+    check(d >= 0 && d < config_.max_num_seqs && !device_slot_used[d], "device slot list corrupt");
+    device_slot_used[d] = 1;
+  }
+  std::vector<uint8_t> seen_in_table(pool_.num_blocks(), 0);
+  auto count_blocks = [&](const Request& r, const std::string& who) {
+    check(static_cast<int32_t>(r.block_table.size()) <= table_width_,
+          who + "block table wider than a batch row");
+    for (int32_t blk : r.block_table) {
+      check(blk >= 0 && blk < pool_.num_blocks(), who + "block id out of range");
+      check(!seen_in_table[blk], who + "holds block " + std::to_string(blk) + " twice");
+      seen_in_table[blk] = 1;
+      ++refs[blk];
+    }
+    for (int32_t blk : r.block_table) seen_in_table[blk] = 0;
+  };
+  int32_t deferred = 0;
+  for (size_t s = 0; s < requests_.size(); ++s) {
+    const Request& r = requests_[s];
+    const std::string who = "request " + id_str(r.id) + ": ";
+    check(r.num_inflight == inflight[s], who + "in-flight count disagrees with the batches");
+    if (!r.in_use) continue;
+    if (r.status == RequestStatus::kFinished) {
+      const bool held = r.awaiting_send || r.awaiting_recv;
+      check(held || r.block_table.empty(), who + "finished but holds blocks");
+      check(held || r.num_inflight > 0, who + "finished slot not released");
+      check(r.device_slot < 0 && r.state_slot < 0, who + "finished but holds a slot");
+      if (held) {
+        auto it = deferred_.find(r.id);
+        check(it != deferred_.end() && it->second == static_cast<int32_t>(s),
+              who + "holds blocks for a transfer but is not in the deferred map");
+        ++deferred;
+      }
+      count_blocks(r, who);
+      continue;
+    }
+    ++live;
+    check(slot_of(r.id) == static_cast<int32_t>(s), who + "id map disagrees");
+    check(r.num_tokens() >= r.num_prompt_tokens, who + "lost prompt tokens");
+    if (r.status != RequestStatus::kRunning) {
+      const bool remote = r.status == RequestStatus::kWaitingForRemoteKv;
+      check(remote || r.block_table.empty(), who + "waiting but holds KV");
+      check(remote != r.block_table.empty(), who + "waiting for remote KV without blocks");
+      check(r.state_slot < 0 && r.device_slot < 0, who + "waiting but holds a slot");
+      check(r.num_computed_tokens == 0, who + "waiting with computed tokens");
+      count_blocks(r, who);
+      continue;
+    }
+    partial += r.is_partial_prefill();
+    check(r.num_computed_tokens <= r.num_tokens() + r.num_inflight * (k_ + 1),
+          who + "computed tokens beyond what is known or in flight");
+    check(static_cast<int32_t>(r.block_table.size()) >= ceil_div(r.num_computed_tokens, bs),
+          who + "block table does not cover the computed tokens");
+    check((r.state_slot >= 0) == (config_.num_state_slots > 0), who + "state slot mismatch");
+    check(r.device_slot >= 0 && r.device_slot < config_.max_num_seqs &&
+              !device_slot_used[r.device_slot],
+          who + "device slot missing or shared");
+    device_slot_used[r.device_slot] = 1;
+    check(r.blocks_shipped <= static_cast<int32_t>(r.block_table.size()),
+          who + "shipped more blocks than it holds");
+    count_blocks(r, who);
+  }
+  check(deferred == static_cast<int32_t>(deferred_.size()), "deferred map holds stale ids");
+  check(live == static_cast<int32_t>(slot_by_id_.size()), "id map holds dead requests");
+  check(partial == num_partial_, "partial prefill count is off");
+  check(running_.size <= config_.max_num_seqs, "running set exceeds max_num_seqs");
+  auto walk = [&](const List& l, bool running, const char* name) {
+    int32_t count = 0, prev = -1;
+    for (int32_t s = l.head; s >= 0; s = links_[s].next) {
+      check(requests_[s].in_use && (requests_[s].status == RequestStatus::kRunning) == running &&
+                requests_[s].status != RequestStatus::kFinished,
+            std::string(name) + " list holds a request in another state");
+      check(links_[s].prev == prev, std::string(name) + " list back link broken");
+      prev = s;
+      check(++count <= static_cast<int32_t>(requests_.size()), std::string(name) + " list cycles");
+    }
+    check(prev == l.tail && count == l.size, std::string(name) + " list size or tail is wrong");
+  };
+  walk(waiting_, /*running=*/false, "waiting");
+  walk(running_, /*running=*/true, "running");
+  check(waiting_.size + running_.size == live, "a live request is in no queue");
+  check(std::count(device_slot_used.begin(), device_slot_used.end(), 1) == config_.max_num_seqs,
+        "a device slot leaked");
+  pool_.check_invariants(refs);
+}
+
+}  // namespace atom_sched

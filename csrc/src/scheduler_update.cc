@@ -1,0 +1,198 @@
+// Scheduler::update(): validating a batch's outputs, appending tokens, stop conditions.
+#include <algorithm>
+#include <limits>
+#include <string>
+
+#include "atom_sched/errors.h"
+#include "atom_sched/scheduler.h"
+#include "scheduler_internal.h"
+
+namespace atom_sched {
+
+// ---------------------------------------------------------------------------------------------
+// Outputs
+
+void Scheduler::validate_outputs(const Batch& b, const ModelOutputs& out) const {
+  const size_t rows = b.num_rows;
+  const size_t full = k_ + 1;
+  const size_t n = out.sampled_token_ids.size();
+  const size_t width = rows > 0 ? n / rows : 0;
+  const bool width_ok = n == rows * width && width == full;
+  if (!width_ok)
+    throw InvalidArgument("sampled_token_ids has " + std::to_string(n) + " values for a batch of " +
+                          std::to_string(rows) + " rows; expected " + std::to_string(rows) +
+                          " x " + std::to_string(full));
+  if (!out.num_accepted.empty() && out.num_accepted.size() != rows)
+    throw InvalidArgument("num_accepted has " + std::to_string(out.num_accepted.size()) +
+                          " values for a batch of " + std::to_string(rows) + " rows");
+  if (out.num_accepted.empty() && !b.is_prefill && k_ > 0)
+    throw InvalidArgument("num_accepted is required for a speculative decode batch");
+  if (k_ > 0 && out.draft_token_ids.size() != rows * k_)
+    throw InvalidArgument("draft_token_ids must hold " + std::to_string(rows) + " x " +
+                          std::to_string(k_) + " values, got " +
+                          std::to_string(out.draft_token_ids.size()));
+  if (k_ == 0 && !out.draft_token_ids.empty())
+    throw InvalidArgument("draft_token_ids given but num_speculative_tokens is 0");
+  if (!out.logprobs.empty() && out.logprobs.size() != n)
+    throw InvalidArgument("logprobs must have the shape of sampled_token_ids");
+  const int32_t max_accepted = b.is_prefill ? 1 : k_ + 1;
+  for (size_t i = 0; i < rows; ++i) {
+    const int32_t a = out.num_accepted.empty() ? 1 : out.num_accepted[i];
+    if (a < 1 || a > max_accepted)
+      throw InvalidArgument("num_accepted[" + std::to_string(i) + "] = " + std::to_string(a) +
+                            " is outside 1.." + std::to_string(max_accepted));
+    if (!b.emits_token[i]) continue;
+    for (int32_t j = 0; j < a; ++j) {
+      const int32_t t = out.sampled_token_ids[i * width + j];
+      if (t < 0)
+        throw InvalidArgument("sampled token [" + std::to_string(i) + ", " + std::to_string(j) +
+                              "] is negative (" + std::to_string(t) + ")");
+    }
+  }
+}
+
+FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const {
+  const int32_t tok = r.tokens.back();
+  const int32_t generated = r.num_generated();
+  if (!r.has_stop_lists) {
+    if (!r.ignore_eos && tok == config_.eos_token_id) return FinishReason::kEos;
+    if (generated >= r.max_tokens) return FinishReason::kMaxTokens;
+    if (r.num_tokens() >= config_.max_model_len) return FinishReason::kMaxModelLen;
+    return FinishReason::kNone;
+  }
+  for (const auto& seq : r.stop_sequences) {
+    const int32_t len = static_cast<int32_t>(seq.size());
+    if (generated >= len && std::equal(seq.begin(), seq.end(), r.tokens.end() - len))
+      return FinishReason::kStopSequence;  // matched within generated tokens only (8.11)
+  }
+  if (!r.ignore_eos && tok == config_.eos_token_id) return FinishReason::kEos;
+  for (int32_t id : r.stop_token_ids) {
+    if (tok == id) {  // stop tokens stop even with ignore_eos (8.12)
+      stop_token = id;
+      return FinishReason::kStopToken;
+    }
+  }
+  if (generated >= r.max_tokens) return FinishReason::kMaxTokens;
+  if (r.num_tokens() >= config_.max_model_len) return FinishReason::kMaxModelLen;  // (8.8)
+  return FinishReason::kNone;
+}
+
+void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs& out,
+                                 int32_t width) {
+  const int32_t slot = b.request_index[row];
+  Request& r = requests_[slot];
+  --r.num_inflight;
+  if (r.status == RequestStatus::kFinished) {  // finished meanwhile: this output is discarded
+    release_slot_if_done(slot);
+    return;
+  }
+  const bool running = r.status == RequestStatus::kRunning;
+  int32_t accepted = 1;
+  if (b.is_prefill) {
+    // Publish the blocks this chunk completed, now that their KV exists. A preempted request's
+    // blocks are gone, so there is nothing to publish.
+    if (running && config_.enable_prefix_caching) {
+      const int32_t bs = config_.block_size;
+      const int32_t start = b.num_cached_tokens[row];
+      const int32_t first = start / bs;
+      const int32_t end = (start + b.num_scheduled_tokens[row]) / bs;
+      if (first < end) {
+        ensure_block_hashes(r, end);
+        pool_.publish(r.block_table, r.block_hashes, r.tokens, first, end);
+      }
+    }
+    if (!b.emits_token[row]) return;  // an intermediate chunk samples garbage
+  } else {
+    if (!out.num_accepted.empty()) accepted = out.num_accepted[row];
+    // Roll back the upper bound by the rejected drafts (a preempted request restarts from 0).
+    if (running) r.num_computed_tokens -= (k_ + 1) - accepted;
+    if (k_ > 0) {
+      ++stats_.num_spec_steps;
+      stats_.num_draft_tokens += k_;
+      stats_.num_accepted_draft_tokens += accepted - 1;
+      ++stats_.acceptance_counts[accepted - 1];
+    }
+  }
+  if (k_ > 0 && running)
+    std::copy_n(out.draft_token_ids.begin() + static_cast<size_t>(row) * k_, k_, r.drafts.begin());
+
+  // Append the accepted tokens one by one; the earliest stop wins and later tokens are dropped.
+  // Tokens known but not streamed yet (a remote prefill's first token) go out with them.
+  const int32_t stream_from = r.num_tokens() - r.num_unstreamed;
+  const int32_t* sampled = out.sampled_token_ids.data() + static_cast<size_t>(row) * width;
+  FinishReason reason = r.pending_stop;
+  int32_t stop_token = r.pending_stop_token;
+  int32_t kept = 0;
+  while (kept < accepted && reason == FinishReason::kNone) {
+    r.tokens.push_back(sampled[kept++]);
+    reason = stop_reason(r, stop_token);
+  }
+  // Entries are written by index into arrays update() sized for the worst case.
+  StepOutput& so = step_output_;
+  const int32_t e = so_entries_++;
+  so.req_ids[e] = r.id;
+  int32_t* tokens_out = so.new_tokens.data() + so_tokens_;
+  const int32_t* known = r.tokens.data();
+  const int32_t total = r.num_tokens();
+  for (int32_t i = stream_from; i < total; ++i) *tokens_out++ = known[i];
+  if (!out.logprobs.empty()) {
+    float* lp_out = so.new_logprobs.data() + so_tokens_;
+    const float* lp = out.logprobs.data() + static_cast<size_t>(row) * width;
+    for (int32_t j = 0; j < r.num_unstreamed; ++j)
+      *lp_out++ = std::numeric_limits<float>::quiet_NaN();
+    for (int32_t j = 0; j < kept; ++j) *lp_out++ = lp[j];
+  }
+  so_tokens_ += total - stream_from;
+  r.num_unstreamed = 0;
+  so.token_offsets[e + 1] = so_tokens_;
+  so.finish_reasons[e] = reason;
+  so.stop_tokens[e] = stop_token;
+  so.prefix_hit_tokens[e] = r.prefix_hit_tokens;
+  so.wants_logprobs[e] = r.wants_logprobs;
+  if (reason != FinishReason::kNone) finish(slot, reason, stop_token);
+}
+
+const StepOutput& Scheduler::update(uint64_t batch_id, const ModelOutputs& out) {
+  if (num_outstanding_ == 0)
+    throw InvalidArgument("update(): no batch is outstanding (batch " + std::to_string(batch_id) +
+                          " was already updated or never scheduled)");
+  const int32_t oldest = (next_buffer_ - num_outstanding_ + kMaxOutstandingBatches) %
+                         kMaxOutstandingBatches;
+  const Batch& b = batches_[oldest];
+  if (b.id != batch_id)
+    throw InvalidArgument("update() must receive the oldest outstanding batch (id " +
+                          std::to_string(b.id) + "), got batch " + std::to_string(batch_id));
+  validate_outputs(b, out);
+  // Size the outputs for the worst case (within the capacity reserved at construction), fill
+  // them by index, then trim: no allocation, no per-entry push_back.
+  StepOutput& so = step_output_;
+  const size_t rows = b.num_rows;
+  const size_t max_tokens = rows * (k_ + 2);  // K+1 accepted + an injected remote first token
+  so.batch_id = b.id;
+  so.req_ids.resize(rows);
+  so.token_offsets.resize(rows + 1);
+  so.token_offsets[0] = 0;
+  so.new_tokens.resize(max_tokens);
+  so.new_logprobs.resize(out.logprobs.empty() ? 0 : max_tokens);
+  so.finish_reasons.resize(rows);
+  so.stop_tokens.resize(rows);
+  so.prefix_hit_tokens.resize(rows);
+  so.wants_logprobs.resize(rows);
+  so_entries_ = 0;
+  so_tokens_ = 0;
+  const int32_t width =
+      b.num_rows > 0 ? static_cast<int32_t>(out.sampled_token_ids.size()) / b.num_rows : 1;
+  for (int32_t row = 0; row < b.num_rows; ++row) apply_row_output(b, row, out, width);
+  so.req_ids.resize(so_entries_);
+  so.token_offsets.resize(so_entries_ + 1);
+  so.new_tokens.resize(so_tokens_);
+  if (!out.logprobs.empty()) so.new_logprobs.resize(so_tokens_);
+  so.finish_reasons.resize(so_entries_);
+  so.stop_tokens.resize(so_entries_);
+  so.prefix_hit_tokens.resize(so_entries_);
+  so.wants_logprobs.resize(so_entries_);
+  --num_outstanding_;
+  return step_output_;
+}
+
+}  // namespace atom_sched
