@@ -234,3 +234,51 @@ def test_import_without_torch() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert r.returncode == 0, r.stderr
     assert "needs torch" in r.stdout
+
+
+def test_first_decode_after_a_remote_prefill_runs_on_a_fresh_slot():
+    """A remotely prefilled request's first decode row has a reset slot that never saw its
+    prompt: the plan carries the row's start and inputs (T0 and the producer's drafts), and the
+    slot's last token and drafts are set from them, so the row is verified like any other."""
+    from atom_sched import KVConnector, RemoteMatch, SamplingParams, Scheduler, SchedulerConfig
+    from atom_sched.device import DeviceBatchBuilder
+
+    class Remote(KVConnector):
+        def is_producer(self):
+            return False
+
+        def get_num_new_matched_tokens(self, request):
+            return RemoteMatch(num_tokens=request.num_prompt_tokens, load_async=True,
+                               first_token=42, draft_tokens=[43, 44])
+
+        def update_state_after_alloc(self, request):
+            pass
+
+        def request_finished(self, request):
+            return False
+
+    k = 2
+    cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                          max_model_len=128, num_speculative_tokens=k)
+    sched = Scheduler(cfg)
+    sched.set_kv_connector(Remote())
+    builder = DeviceBatchBuilder(cfg)
+    sched.add_request(0, list(range(10, 23)), SamplingParams(max_tokens=8))  # 13 prompt tokens
+    assert sched.schedule() is None
+    sched.update_from_kv_xfer_finished(finished_recving=[0])
+    batch = sched.schedule()
+    assert not batch.is_prefill and batch.slot_reset.tolist() == [True]
+    inp = builder.prepare(batch)
+    assert inp.input_ids[:3].tolist() == [42, 43, 44] == batch.scheduled_tokens.tolist()
+    assert inp.positions[:3].tolist() == [13, 14, 15] == batch.positions.tolist()
+    assert inp.slot_mapping[:3].tolist() == batch.slot_mapping.tolist()
+    assert inp.seq_lens[:1].tolist() == batch.context_lens.tolist()
+    # The target model agrees with the first draft only: 2 tokens accepted, 43 and then 50.
+    result = builder.accept(batch, torch.tensor([[43, 50, 51]], dtype=torch.int32),
+                            next_draft_token_ids=torch.tensor([[60, 61]], dtype=torch.int32))
+    out = sched.update(batch, **result.update_kwargs()).outputs()
+    assert out[0].output_tokens == [42, 43, 50]  # T0 streamed with the first output
+    state = builder.slot_state()
+    slot = batch.request_slots[0]
+    assert state["computed"][slot] == sched.request_state(0)["num_computed_tokens"] == 15
+    assert state["last_token"][slot] == 50 and state["drafts"][slot].tolist() == [60, 61]
