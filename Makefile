@@ -37,7 +37,7 @@ CMAKE_COMMON := -G Ninja -DATOM_SCHED_BUILD_TESTS=ON -DATOM_SCHED_BUILD_PYTHON=O
 SANITIZER_ENV := ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
 
 .PHONY: help venv install demo demo-toy bench-engine build-cpp test-cpp build-asan test-asan test-python test bench clean distclean \
-        build-cuda check-hip gpu-check bench-device
+        build-cuda check-hip gpu-check fuzz bench-device
 
 help:
 	@echo "make demo          set up, build, install, then serve SmolLM2-135M with the example engine"
@@ -49,6 +49,7 @@ help:
 	@echo "make install       (re)build and install the package into $(VENV)"
 	@echo "make build-cuda    compile the CUDA back end (nvcc, sm_80+sm_90) into $(CUDA_DIR), import-check it"
 	@echo "make check-hip     hipcc compile checks (gfx90a, gfx940) and a HIP module build in $(HIP_DIR)"
+	@echo "make fuzz          libFuzzer (ASan+UBSan) on the scheduler for FUZZ_SECONDS (30)"
 	@echo "make gpu-check     on a machine with a GPU: scripts/gpu_check.sh (GPU tests + kernel timings)"
 	@echo "make bench-device  the device builder's CPU reference path, cost per row"
 	@echo "make bench         run the benchmarks (atom-sched bench)"
@@ -120,12 +121,27 @@ check-hip: $(HIP_DIR)/build.ninja
 gpu-check:
 	bash scripts/gpu_check.sh
 
+# libFuzzer (clang, with ASan + UBSan) over the scheduler's public operations for FUZZ_SECONDS.
+CLANGXX      ?= $(firstword $(shell command -v clang++-15 clang++ 2>/dev/null))
+FUZZ_SECONDS ?= 30
+FUZZ_DIR     := build/fuzz
+$(FUZZ_DIR)/fuzz_scheduler: tests/fuzz/fuzz_scheduler.cc $(wildcard csrc/src/*.cc csrc/src/*.h csrc/include/atom_sched/*.h)
+	@test -n "$(CLANGXX)" || { echo "fuzz: clang++ not found (apt-get install -y clang-15)"; exit 1; }
+	mkdir -p $(FUZZ_DIR)
+	$(CLANGXX) -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
+	  -Icsrc/include tests/fuzz/fuzz_scheduler.cc $(wildcard csrc/src/*.cc) -o $@
+
+fuzz: $(FUZZ_DIR)/fuzz_scheduler
+	mkdir -p $(FUZZ_DIR)/corpus
+	$(FUZZ_DIR)/fuzz_scheduler -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 \
+	  -print_final_stats=1 $(FUZZ_DIR)/corpus
+
 # The device path's CPU reference cost per row (benchmarks/bench_device.py; docs/perf.md).
 bench-device: install
 	cd tests/python && $(VPY) ../../benchmarks/bench_device.py --out ../../bench_out
 
 # The GPU back ends compile first, so that the last runner output is the full pytest run.
-test: build-cuda check-hip test-cpp test-asan test-python
+test: build-cuda check-hip fuzz test-cpp test-asan test-python
 
 # The example engine (atom_sched/engine): SmolLM2-135M-Instruct on the CPU answers several prompts
 # served together (continuous batching; a 10-block KV pool and a 32-token budget, so chunked

@@ -1,0 +1,119 @@
+// libFuzzer target over the scheduler's public operations (DESIGN.md section 9). The input bytes
+// drive a sequence of add / abort / schedule / update / transfer-report calls, with valid and
+// invalid arguments; the scheduler must reject bad calls with InvalidArgument or UnknownRequest,
+// leave its state intact, and keep every invariant (check_invariants() after each call). Any
+// other exception, a sanitizer report or a crash is a finding.
+//
+//   make fuzz            # builds with clang (libFuzzer + ASan + UBSan) and runs for FUZZ_SECONDS
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+#include "atom_sched/errors.h"
+#include "atom_sched/scheduler.h"
+
+namespace {
+
+using namespace atom_sched;
+
+class Bytes {
+ public:
+  Bytes(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+  bool empty() const { return pos_ >= size_; }
+  uint8_t next() { return pos_ < size_ ? data_[pos_++] : 0; }
+  int32_t below(int32_t n) { return n <= 0 ? 0 : next() % n; }
+
+ private:
+  const uint8_t* data_;
+  size_t size_;
+  size_t pos_ = 0;
+};
+
+struct Pending {
+  uint64_t id;
+  int32_t rows;
+  bool is_prefill;
+};
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  Bytes in(data, size);
+  SchedulerConfig cfg;
+  cfg.num_blocks = 4 + in.below(40);
+  cfg.block_size = 1 + in.below(8);
+  cfg.max_num_seqs = 1 + in.below(6);
+  cfg.num_speculative_tokens = in.below(4);
+  cfg.max_num_batched_tokens = cfg.num_speculative_tokens + 1 + in.below(64);
+  cfg.max_model_len = 8 + in.below(120);
+  cfg.enable_chunked_prefill = in.next() & 1;
+  cfg.enable_prefix_caching = in.next() & 1;
+  cfg.enable_kv_events = in.next() & 1;
+  cfg.eos_token_id = 2;
+  cfg.num_state_slots = in.below(3);
+  Scheduler s(cfg);
+  const int32_t k = cfg.num_speculative_tokens;
+  std::deque<Pending> outstanding;
+  std::vector<int32_t> prompt, sampled, accepted, drafts;
+  int64_t next_id = 0;
+  while (!in.empty()) {
+    try {
+      switch (in.below(8)) {
+        case 0:
+        case 1: {  // add a request, sometimes with a bad argument
+          prompt.assign(in.below(40), 0);
+          for (auto& t : prompt) t = in.below(12) - (in.below(50) == 0 ? 5 : 0);
+          SamplingParams p;
+          p.max_tokens = in.below(20);
+          p.ignore_eos = in.next() & 1;
+          if (in.below(4) == 0) p.stop_token_sequences.push_back({in.below(12), in.below(12)});
+          if (in.below(4) == 0) p.stop_token_ids.push_back(in.below(12));
+          const int64_t id = in.below(6) == 0 ? in.below(4) - 1 : next_id++;
+          s.add_request(id, prompt, p);
+          break;
+        }
+        case 2:
+          s.abort_request(in.below(static_cast<int32_t>(next_id) + 2));
+          break;
+        case 3:
+        case 4: {
+          const Batch* b = s.schedule(0.0, in.below(5) != 0);
+          if (b != nullptr) outstanding.push_back({b->id, b->num_rows, b->is_prefill});
+          break;
+        }
+        case 5:
+        case 6: {  // outputs for the oldest batch, or a wrong one
+          if (outstanding.empty()) break;
+          Pending p = outstanding.front();
+          const bool bad = in.below(8) == 0;
+          const uint64_t id = bad && in.next() & 1 ? p.id + 1 : p.id;
+          const int32_t rows = bad && in.next() & 1 ? p.rows + 1 : p.rows;
+          sampled.assign(static_cast<size_t>(rows) * (k + 1), 0);
+          for (auto& t : sampled) t = in.below(12) - (bad ? 1 : 0);
+          accepted.assign(rows, 1);
+          if (!p.is_prefill)
+            for (auto& a : accepted) a = 1 + in.below(k + 1 + (bad ? 1 : 0));
+          drafts.assign(static_cast<size_t>(rows) * k, 3);
+          ModelOutputs out;
+          out.sampled_token_ids = sampled;
+          if (k > 0) out.num_accepted = accepted;
+          out.draft_token_ids = drafts;
+          s.update(id, out);
+          outstanding.pop_front();
+          break;
+        }
+        default:
+          (void)s.next_batch_info(0.0, true);
+          (void)s.take_events();
+          (void)s.take_rejected();
+          if (in.below(8) == 0) s.reset_prefix_cache();
+          break;
+      }
+    } catch (const InvalidArgument&) {
+    } catch (const UnknownRequest&) {
+    }
+    s.check_invariants();  // throws InvariantViolation: libFuzzer reports it as a crash
+  }
+  return 0;
+}
