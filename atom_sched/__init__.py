@@ -9,8 +9,8 @@ See docs/api.md for the full contract. The short version::
     sched.add_request(0, [1, 15, 27, 99], SamplingParams(max_tokens=32))
     while sched.has_unfinished_requests():
         batch = sched.schedule()          # numpy views: positions, slot_mapping, block_tables ...
-        if batch is None:
-            continue
+        if batch is None:                 # nothing can run until an outside event (remote KV)
+            break
         sampled = run_model(batch)        # one token per row (or K+1 with speculative decoding)
         for out in sched.update(batch, sampled):
             print(out.request_id, out.output_tokens, out.finish_reason)

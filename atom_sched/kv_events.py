@@ -210,11 +210,10 @@ class KVEventPublisher:
         except queue.Full:
             self._put(None)
         self._thread.join(timeout)
-        linger = 1000 if not self._thread.is_alive() else 0
-        self._pub.close(linger=linger)
-        if self._router is not None:
-            self._router.close(linger=0)
-        self._ctx.term()
+        # The sender thread owns the sockets and closes them as it exits (ZMQ sockets must not be
+        # used from two threads). A sender stuck past the timeout is a daemon: leave it be.
+        if not self._thread.is_alive():
+            self._ctx.term()
 
     def __enter__(self) -> KVEventPublisher:
         return self
@@ -234,9 +233,13 @@ class KVEventPublisher:
                     dropped = self._queue.get_nowait()
                 except queue.Empty:
                     continue
-                if dropped is not None:
-                    with self._lock:
-                        self._dropped += 1
+                if dropped is None:  # closing: the stop sentinel stays, this batch goes
+                    self._queue.put_nowait(None)
+                    dropped = item
+                with self._lock:
+                    self._dropped += 1
+                if dropped is item:
+                    return
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -250,6 +253,9 @@ class KVEventPublisher:
             except queue.Empty:
                 continue
             if item is None:
+                self._pub.close(linger=1000)
+                if self._router is not None:
+                    self._router.close(linger=0)
                 return
             self._pub.send_multipart([self.topic, item.seq.to_bytes(8, "big"), item.payload])
             self._ring.append(item)

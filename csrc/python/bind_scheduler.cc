@@ -1,9 +1,11 @@
 // Scheduler, Batch, StepOutput, RequestOutput, KVEvent and RejectedRequest.
 //
 // Batch and StepOutput are views: their numpy arrays point into buffers the C++ scheduler owns
-// and reuses, with the view object as the arrays' base (so the scheduler outlives them). A view
-// whose buffer has been reused for a newer batch/step raises instead of returning wrong data.
-// Calls that do real work release the GIL; a mutex serialises calls on one Scheduler.
+// and reuses, with the view object as the arrays' base (so the scheduler outlives them). Reading
+// an attribute of a view whose buffer now holds a newer batch/step raises; an array taken
+// earlier is borrowed and is overwritten in place when the buffer is reused (copy it to keep
+// it). Views are read without the scheduler's lock: read them on the thread that drives the
+// scheduler. Every call into the core releases the GIL and takes the scheduler's mutex.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -12,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <utility>
 
 #include "atom_sched/errors.h"
 #include "atom_sched/scheduler.h"
@@ -185,9 +188,12 @@ StepOutputView update(const Handle& h, const BatchView& batch, py::handle sample
       throw py::value_error("logprobs must have the shape of sampled_token_ids");
     out.logprobs = lp->span();
   }
-  const StepOutput* so =
-      with_core(*h, [&](Scheduler& c) { return &c.update(batch.id, out); });
-  return StepOutputView{h, so, so->batch_id};
+  // The step's id is read under the lock: another thread's update() cannot slip in between.
+  const auto [so, id] = with_core(*h, [&](Scheduler& c) {
+    const StepOutput& result = c.update(batch.id, out);
+    return std::make_pair(&result, result.batch_id);
+  });
+  return StepOutputView{h, so, id};
 }
 
 py::dict stats_dict(const SchedulerStats& s) {

@@ -142,7 +142,8 @@ void Scheduler::list_remove(List& l, int32_t slot) {
 
 std::vector<int64_t> Scheduler::waiting_ids() const {
   std::vector<int64_t> out;
-  for (int32_t s = waiting_.head; s >= 0; s = links_[s].next) out.push_back(requests_[s].id);
+  for (const List* l : {&waiting_, &remote_waiting_})
+    for (int32_t s = l->head; s >= 0; s = links_[s].next) out.push_back(requests_[s].id);
   return out;
 }
 
@@ -240,6 +241,8 @@ void Scheduler::finish(int32_t slot, FinishReason reason, int32_t stop_token) {
   if (r.is_partial_prefill()) --num_partial_;
   if (r.status == RequestStatus::kRunning) {
     list_remove(running_, slot);
+  } else if (r.status == RequestStatus::kWaitingForRemoteKv) {
+    list_remove(remote_waiting_, slot);
   } else {
     list_remove(waiting_, slot);
   }
@@ -346,22 +349,12 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
   if (config_.scheduler_delay_factor > 0 && !passed_delay(now)) return;
   const int32_t bs = config_.block_size;
   const bool needs_state = config_.num_state_slots > 0;
-  List skipped;  // requests waiting for remote KV: rotated to the tail of waiting (as ATOM)
   while (waiting_.size > 0 && b.num_rows < max_rows && running_.size < max_rows &&
          b.num_tokens < budget) {
     const int32_t s = waiting_.head;
     Request& r = requests_[s];
     if (auto why = unschedulable_reason(r)) {
       reject(s, "unschedulable: " + *why);
-      continue;
-    }
-    if (r.status == RequestStatus::kWaitingForRemoteKv) {
-      list_remove(waiting_, s);
-      if (r.remote_ready) {
-        start_remote_decode(s);  // joins the decode set: no budget, no row this step
-      } else {
-        list_push_back(skipped, s);
-      }
       continue;
     }
     // A preempted request's in-flight output must land before it is re-prefilled. With at most
@@ -411,7 +404,7 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
       r.remote_ready = false;
       r.remote_first_token = match.first_token;
       r.remote_drafts = std::move(match.draft_tokens);
-      list_push_back(skipped, s);
+      list_push_back(remote_waiting_, s);
       continue;
     }
     if (config_.enable_prefix_caching) {
@@ -427,10 +420,20 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
     num_partial_ += r.is_partial_prefill();  // always: the last block is never a hit
     add_prefill_row(b, s, chunk);
   }
-  while (skipped.head >= 0) {
-    const int32_t s = skipped.head;
-    list_remove(skipped, s);
-    list_push_back(waiting_, s);
+}
+
+void Scheduler::admit_remote_ready() {
+  // Not part of Phase 2: a request whose KV has arrived needs no budget and no prefill, so it
+  // joins the decode set whatever the delayer or the delay factor say, and whatever blocks the
+  // head of `waiting` (ATOM rotated such requests through `waiting`, where a blocked head could
+  // hold them back forever while they held the very blocks it needed).
+  for (int32_t s = remote_waiting_.head; s >= 0 && running_.size < config_.max_num_seqs;) {
+    const int32_t next = links_[s].next;
+    if (requests_[s].remote_ready) {
+      list_remove(remote_waiting_, s);
+      start_remote_decode(s);
+    }
+    s = next;
   }
 }
 
@@ -452,7 +455,8 @@ int32_t Scheduler::count_admittable_head_prefills(int32_t limit) {
   int32_t count = 0, tokens = 0, blocks_taken = 0, probed = 0;
   for (int32_t s = waiting_.head; s >= 0 && probed < 4; s = links_[s].next, ++probed) {
     Request& r = requests_[s];
-    if (unschedulable_reason(r) || r.status == RequestStatus::kWaitingForRemoteKv) continue;
+    if (running_.size + count >= config_.max_num_seqs) break;
+    if (unschedulable_reason(r)) continue;
     ensure_block_hashes(r, probe_blocks(r));
     const int32_t hits = pool_.can_allocate(r.block_hashes, r.tokens, r.num_tokens(),
                                             config_.num_state_slots > 0);
@@ -461,7 +465,7 @@ int32_t Scheduler::count_admittable_head_prefills(int32_t limit) {
     if (blocks_taken + fresh > pool_.num_free_blocks()) break;
     int32_t num_new = r.num_tokens() - hits * bs;
     if (num_new > budget) {
-      if (!config_.enable_chunked_prefill) continue;
+      if (!config_.enable_chunked_prefill && !r.preempted) continue;
       num_new = budget;
     }
     if (tokens + num_new > budget && count > 0) break;
@@ -536,15 +540,22 @@ const Batch* Scheduler::schedule(double now, bool allow_prefill) {
   if (num_outstanding_ >= kMaxOutstandingBatches)
     throw InvalidArgument("schedule(): " + std::to_string(kMaxOutstandingBatches) +
                           " batches are outstanding; pass the oldest to update() first");
+  admit_remote_ready();
   if (waiting_.size == 0 && running_.size == 0) return nullptr;
+  // The buffer still holds the batch before the outstanding one, whose views stay valid until
+  // this call returns a batch: keep its header if this call returns none.
   Batch& b = batches_[next_buffer_];
+  const Batch::Header kept = b.header();
   begin_batch(b, /*is_prefill=*/true);
   if (allow_prefill) schedule_prefills(b, now);
   if (b.num_rows == 0) {
     begin_batch(b, /*is_prefill=*/false);
     schedule_decodes(b);
   }
-  if (b.num_rows == 0) return nullptr;
+  if (b.num_rows == 0) {
+    b.set_header(kept);
+    return nullptr;
+  }
   b.id = next_batch_id_++;
   if (b.is_prefill) prev_prompt_ = true;
   next_buffer_ = (next_buffer_ + 1) % kMaxOutstandingBatches;

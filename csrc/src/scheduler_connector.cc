@@ -1,6 +1,7 @@
 // The scheduler's KV-connector side: the views a connector sees, transfer reports, and the move
 // of a remotely prefilled request into the decode set.
 #include <string>
+#include <unordered_set>
 
 #include "atom_sched/errors.h"
 #include "atom_sched/scheduler.h"
@@ -36,7 +37,14 @@ std::vector<std::string> Scheduler::take_connector_errors() {
 
 void Scheduler::update_from_kv_xfer_finished(std::span<const int64_t> finished_sending,
                                              std::span<const int64_t> finished_recving) {
-  // Validate every id first: a bad report changes nothing.
+  // Validate every id first: a bad report changes nothing. An id named twice (in one list or in
+  // both) is a bad report too: applying it twice would free blocks twice.
+  std::unordered_set<int64_t> seen;
+  for (auto ids : {finished_recving, finished_sending})
+    for (int64_t id : ids)
+      if (!seen.insert(id).second)
+        throw InvalidArgument("update_from_kv_xfer_finished: request " + id_str(id) +
+                              " is reported twice");
   for (int64_t id : finished_recving) {
     auto it = deferred_.find(id);
     if (it != deferred_.end() && requests_[it->second].awaiting_recv) continue;

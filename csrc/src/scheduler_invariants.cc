@@ -94,11 +94,10 @@ void Scheduler::check_invariants() const {
   check(live == static_cast<int32_t>(slot_by_id_.size()), "id map holds dead requests");
   check(partial == num_partial_, "partial prefill count is off");
   check(running_.size <= config_.max_num_seqs, "running set exceeds max_num_seqs");
-  auto walk = [&](const List& l, bool running, const char* name) {
+  auto walk = [&](const List& l, RequestStatus status, const char* name) {
     int32_t count = 0, prev = -1;
     for (int32_t s = l.head; s >= 0; s = links_[s].next) {
-      check(requests_[s].in_use && (requests_[s].status == RequestStatus::kRunning) == running &&
-                requests_[s].status != RequestStatus::kFinished,
+      check(requests_[s].in_use && requests_[s].status == status,
             std::string(name) + " list holds a request in another state");
       check(links_[s].prev == prev, std::string(name) + " list back link broken");
       prev = s;
@@ -106,9 +105,11 @@ void Scheduler::check_invariants() const {
     }
     check(prev == l.tail && count == l.size, std::string(name) + " list size or tail is wrong");
   };
-  walk(waiting_, /*running=*/false, "waiting");
-  walk(running_, /*running=*/true, "running");
-  check(waiting_.size + running_.size == live, "a live request is in no queue");
+  walk(waiting_, RequestStatus::kWaiting, "waiting");
+  walk(remote_waiting_, RequestStatus::kWaitingForRemoteKv, "remote-waiting");
+  walk(running_, RequestStatus::kRunning, "running");
+  check(waiting_.size + remote_waiting_.size + running_.size == live,
+        "a live request is in no queue");
   check(std::count(device_slot_used.begin(), device_slot_used.end(), 1) == config_.max_num_seqs,
         "a device slot leaked");
   pool_.check_invariants(refs);

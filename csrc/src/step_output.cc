@@ -16,15 +16,4 @@ std::string finish_reason_string(FinishReason reason, int32_t stop_token) {
   return "";
 }
 
-void StepOutput::clear() noexcept {
-  req_ids.clear();
-  token_offsets.assign(1, 0);
-  new_tokens.clear();
-  new_logprobs.clear();
-  finish_reasons.clear();
-  stop_tokens.clear();
-  prefix_hit_tokens.clear();
-  wants_logprobs.clear();
-}
-
 }  // namespace atom_sched

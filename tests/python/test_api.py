@@ -720,3 +720,15 @@ def test_seed_travels_with_the_request_and_block_size_with_the_batch():
     assert b.block_size == 4
     with pytest.raises(ValueError):
         SamplingParams(seed=-2)
+
+
+def test_a_schedule_that_returns_none_keeps_the_previous_batch_readable():
+    s = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
+    s.add_request(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=2))
+    b1 = s.schedule()
+    s.update(b1, np.array([7], np.int32))
+    b2 = s.schedule()
+    s.update(b2, np.array([8], np.int32))  # request 0 finishes
+    s.add_request(1, [9, 9, 9])
+    assert s.schedule(allow_prefill=False) is None  # fills b1's buffer, finds no row
+    assert (b1.num_rows, b1.is_prefill, b1.positions.tolist()) == (1, True, [0, 1, 2, 3, 4])

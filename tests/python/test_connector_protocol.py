@@ -282,3 +282,53 @@ def test_request_finished_sees_the_reason_and_the_drafts():
     s.add_request(0, list(range(10, 16)), SamplingParams(max_tokens=1))
     step(s, [60], k=2)
     assert conn.finished == [("max_tokens", [5, 5])]
+
+
+def test_arrived_kv_joins_the_decode_set_even_behind_a_blocked_head():
+    """A request whose KV arrived must not wait behind a head that cannot allocate (the blocks it
+    needs may be the ones the arrived request holds) nor behind a prefill veto."""
+    s = make(num_blocks=10)
+    s.set_kv_connector(Consumer(remote=[1], first_token=42))
+    s.add_request(1, list(range(10, 34)), SamplingParams(max_tokens=3))  # 24 tokens: 6 blocks
+    assert s.schedule() is None
+    s.add_request(2, list(range(40, 64)), SamplingParams(max_tokens=3))  # needs 6: 4 are free
+    s.update_from_kv_xfer_finished(finished_recving=[1])
+    b = s.schedule(allow_prefill=False)
+    assert b is not None and b.req_ids.tolist() == [1]
+    s.check_invariants()
+    s.update(b, np.array([50], np.int32))
+    while s.has_unfinished_requests():  # request 1 finishes and frees what request 2 needs
+        step(s, [51, 52])
+    s.check_invariants()
+
+
+def test_a_transfer_report_naming_an_id_twice_changes_nothing():
+    s = make()
+    s.set_kv_connector(Consumer(remote=[5]))
+    s.add_request(5, list(range(10, 22)), SamplingParams(max_tokens=4))
+    s.schedule()
+    s.abort_request(5)  # its blocks wait for the receive to finish
+    used = s.num_blocks - s.num_free_blocks
+    with pytest.raises(ValueError):
+        s.update_from_kv_xfer_finished(finished_recving=[5, 5])
+    assert s.num_blocks - s.num_free_blocks == used
+    s.check_invariants()
+    s.update_from_kv_xfer_finished(finished_recving=[5])
+    assert s.num_free_blocks == s.num_blocks
+
+
+def test_a_connector_calling_back_into_its_scheduler_gets_an_error_not_a_deadlock():
+    class Reentrant(Consumer):
+        def get_num_new_matched_tokens(self, request):
+            self.sched.num_free_blocks  # re-enters the scheduler from inside schedule()
+            return super().get_num_new_matched_tokens(request)
+
+    s = make()
+    conn = Reentrant(remote=[])
+    conn.sched = s
+    s.set_kv_connector(conn)
+    s.add_request(0, [10, 11, 12], SamplingParams(max_tokens=2))
+    assert s.schedule() is None
+    (rejected,) = s.take_rejected()
+    assert "must not call back" in rejected.reason
+    s.check_invariants()

@@ -24,6 +24,25 @@ struct Batch {
   int32_t max_seqlen_k = 0;
   int32_t block_table_width = 0;  // columns of block_tables (fixed for a scheduler)
 
+  /// The scalars above, saved and restored as one.
+  struct Header {
+    uint64_t id;
+    bool is_prefill;
+    int32_t num_rows, num_tokens, num_spec_tokens, max_seqlen_q, max_seqlen_k;
+  };
+  [[nodiscard]] Header header() const {
+    return {id, is_prefill, num_rows, num_tokens, num_spec_tokens, max_seqlen_q, max_seqlen_k};
+  }
+  void set_header(const Header& h) {
+    id = h.id;
+    is_prefill = h.is_prefill;
+    num_rows = h.num_rows;
+    num_tokens = h.num_tokens;
+    num_spec_tokens = h.num_spec_tokens;
+    max_seqlen_q = h.max_seqlen_q;
+    max_seqlen_k = h.max_seqlen_k;
+  }
+
   // Per row [num_rows].
   std::vector<int64_t> req_ids;
   std::vector<int32_t> request_slots;  // device state slot of the row's request, 0..max_num_seqs-1

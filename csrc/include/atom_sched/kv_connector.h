@@ -34,7 +34,7 @@ struct ConnectorRequest {
 
 /// get_num_new_matched_tokens()'s answer.
 struct RemoteMatch {
-  int32_t num_tokens = 0;    // prompt tokens whose KV the remote side provides
+  int32_t num_tokens = 0;    // informational (ATOM's too): with load_async the whole prompt is remote
   bool load_async = false;   // the request waits for that KV instead of prefilling
   int32_t first_token = -1;  // the producer's first sampled token (ATOM's T0), -1 if none
   std::vector<int32_t> draft_tokens;  // the producer's drafts for the first decode (<= K used)
@@ -43,7 +43,8 @@ struct RemoteMatch {
 class KvConnector {
  public:
   virtual ~KvConnector() = default;
-  /// True on the prefill (producer) side: finished requests keep their blocks until sent.
+  /// True on the prefill (producer) side. ATOM's interface; the scheduler itself decides from
+  /// request_finished()'s answer whether blocks wait for a send.
   [[nodiscard]] virtual bool is_producer() const = 0;
   /// Must not change the connector's state in a way a repeated call would see (ATOM's MoRIIO
   /// tagged requests here, 8.5): next_batch_info() calls it on a dry run.

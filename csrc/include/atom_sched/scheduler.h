@@ -133,11 +133,12 @@ class Scheduler {
   [[nodiscard]] const SchedulerStats& stats() const noexcept { return stats_; }
   [[nodiscard]] const SchedulerConfig& config() const noexcept { return config_; }
   [[nodiscard]] const BlockPool& block_pool() const noexcept { return pool_; }
-  [[nodiscard]] int32_t num_waiting() const noexcept { return waiting_.size; }
+  /// Requests not running: waiting to be admitted, or waiting for remote KV.
+  [[nodiscard]] int32_t num_waiting() const noexcept { return waiting_.size + remote_waiting_.size; }
   [[nodiscard]] int32_t num_running() const noexcept { return running_.size; }
   [[nodiscard]] int32_t num_outstanding_batches() const noexcept { return num_outstanding_; }
   [[nodiscard]] bool has_unfinished_requests() const noexcept {
-    return waiting_.size + running_.size > 0;
+    return waiting_.size + remote_waiting_.size + running_.size > 0;
   }
   /// The live request `id` (waiting or running). UnknownRequest otherwise.
   [[nodiscard]] const Request& request(int64_t id) const;
@@ -181,6 +182,7 @@ class Scheduler {
   void take_device_slot(Request& r);
   void release_kv(Request& r, bool keep_blocks = false);  // blocks, state and device slots
   void start_remote_decode(int32_t slot);  // kWaitingForRemoteKv -> running, KV arrived
+  void admit_remote_ready();               // every request whose KV arrived, within max_num_seqs
   [[nodiscard]] ConnectorRequest connector_view(const Request& r) const;
   void connector_failed(const Request& r, const char* call, const std::exception& e);
   void finish(int32_t slot, FinishReason reason, int32_t stop_token);
@@ -210,6 +212,7 @@ class Scheduler {
   std::vector<int32_t> free_slots_;
   std::unordered_map<int64_t, int32_t> slot_by_id_;  // live requests only
   List waiting_, running_;
+  List remote_waiting_;  // kWaitingForRemoteKv requests, in arrival order
 
   Batch batches_[kMaxOutstandingBatches];
   int32_t next_buffer_ = 0;    // the buffer the next schedule() fills

@@ -38,7 +38,6 @@ struct StepOutput {
   std::vector<uint8_t> wants_logprobs;       // the request asked for log-probabilities
 
   [[nodiscard]] int32_t size() const noexcept { return static_cast<int32_t>(req_ids.size()); }
-  void clear() noexcept;
 };
 
 /// A request that can never run (ATOM's static rejection), drained by Scheduler::take_rejected().
