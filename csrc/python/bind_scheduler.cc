@@ -196,6 +196,12 @@ StepOutputView update(const Handle& h, const BatchView& batch, py::handle sample
   return StepOutputView{h, so, id};
 }
 
+// A binding taking only the scheduler: f(core) under with_core().
+template <typename F>
+auto locked(F f) {
+  return [f](SchedulerHandle& h) { return with_core(h, f); };
+}
+
 py::dict stats_dict(const SchedulerStats& s) {
   py::dict d;
   d["num_steps"] = s.num_steps;
@@ -359,8 +365,10 @@ void bind_scheduler(py::module_& m) {
                              [](const BatchView& v) { return v.get().num_tokens; })
       .def_property_readonly("num_spec_tokens",
                              [](const BatchView& v) { return v.get().num_spec_tokens; })
-      .def_property_readonly("max_seqlen_q", [](const BatchView& v) { return v.get().max_seqlen_q; })
-      .def_property_readonly("max_seqlen_k", [](const BatchView& v) { return v.get().max_seqlen_k; })
+      .def_property_readonly("max_seqlen_q",
+                             [](const BatchView& v) { return v.get().max_seqlen_q; })
+      .def_property_readonly("max_seqlen_k",
+                             [](const BatchView& v) { return v.get().max_seqlen_k; })
       .def_property_readonly("block_table_width",
                              [](const BatchView& v) { return v.get().block_table_width; })
       .def_property_readonly("block_size", [](const BatchView& v) {
@@ -447,12 +455,10 @@ void bind_scheduler(py::module_& m) {
       .def("schedule", &schedule, "allow_prefill"_a = true, "now"_a = py::none())
       .def("update", &update, "batch"_a, "sampled_token_ids"_a, "num_accepted"_a = py::none(),
            "draft_token_ids"_a = py::none(), "logprobs"_a = py::none())
-      .def("take_rejected", [](SchedulerHandle& h) { return with_core(h, [](Scheduler& c) { return c.take_rejected(); }); })
-      .def("take_events", [](SchedulerHandle& h) { return with_core(h, [](Scheduler& c) { return c.take_events(); }); })
+      .def("take_rejected", locked([](Scheduler& c) { return c.take_rejected(); }))
+      .def("take_events", locked([](Scheduler& c) { return c.take_events(); }))
       .def("cached_block_hashes",
-           [](SchedulerHandle& h) {
-             return with_core(h, [](Scheduler& c) { return c.block_pool().cached_hashes(); });
-           },
+           locked([](Scheduler& c) { return c.block_pool().cached_hashes(); }),
            "Every block hash in the prefix cache (unordered).")
       .def("stats",
            [](SchedulerHandle& h) {
@@ -467,55 +473,33 @@ void bind_scheduler(py::module_& m) {
             return py::make_tuple(info.is_prefill, info.num_tokens, info.num_rows);
           },
           "allow_prefill"_a = true, "now"_a = py::none())
-      .def("has_unfinished_requests", [](SchedulerHandle& h) { return with_core(h, [](Scheduler& c) { return c.has_unfinished_requests(); }); })
-      .def("reset_prefix_cache", [](SchedulerHandle& h) { return with_core(h, [](Scheduler& c) { c.reset_prefix_cache(); }); })
-      .def("check_invariants",
-           [](SchedulerHandle& h) {
-             with_core(h, [](Scheduler& c) { c.check_invariants(); });
-           })
+      .def("has_unfinished_requests",
+           locked([](Scheduler& c) { return c.has_unfinished_requests(); }))
+      .def("reset_prefix_cache", locked([](Scheduler& c) { c.reset_prefix_cache(); }))
+      .def("check_invariants", locked([](Scheduler& c) { c.check_invariants(); }))
       .def(
           "request_state",
           [](SchedulerHandle& h, int64_t id) {
             return request_state(with_core(h, [&](Scheduler& c) { return c.request(id); }));
           },
           "request_id"_a)
-      .def("waiting_ids", [](SchedulerHandle& h) { return with_core(h, [](Scheduler& c) { return c.waiting_ids(); }); })
-      .def("running_ids", [](SchedulerHandle& h) { return with_core(h, [](Scheduler& c) { return c.running_ids(); }); })
+      .def("waiting_ids", locked([](Scheduler& c) { return c.waiting_ids(); }))
+      .def("running_ids", locked([](Scheduler& c) { return c.running_ids(); }))
       .def("__contains__",
            [](SchedulerHandle& h, int64_t id) {
              return with_core(h, [&](Scheduler& c) { return c.contains(id); });
            })
-      .def_property_readonly("config",
-                             [](SchedulerHandle& h) {
-                               return with_core(h, [](Scheduler& c) { return c.config(); });
-                             })
-      .def_property_readonly("num_waiting",
-                             [](SchedulerHandle& h) {
-                               return with_core(h, [](Scheduler& c) { return c.num_waiting(); });
-                             })
-      .def_property_readonly("num_running",
-                             [](SchedulerHandle& h) {
-                               return with_core(h, [](Scheduler& c) { return c.num_running(); });
-                             })
+      .def_property_readonly("config", locked([](Scheduler& c) { return c.config(); }))
+      .def_property_readonly("num_waiting", locked([](Scheduler& c) { return c.num_waiting(); }))
+      .def_property_readonly("num_running", locked([](Scheduler& c) { return c.num_running(); }))
       .def_property_readonly("num_outstanding_batches",
-                             [](SchedulerHandle& h) {
-                               return with_core(
-                                   h, [](Scheduler& c) { return c.num_outstanding_batches(); });
-                             })
-      .def_property_readonly("num_free_blocks",
-                             [](SchedulerHandle& h) {
-                               return with_core(h, [](Scheduler& c) {
-                                 return c.block_pool().num_free_blocks();
-                               });
-                             })
+                             locked([](Scheduler& c) { return c.num_outstanding_batches(); }))
+      .def_property_readonly(
+          "num_free_blocks", locked([](Scheduler& c) { return c.block_pool().num_free_blocks(); }))
       .def_property_readonly("num_blocks",
-                             [](SchedulerHandle& h) {
-                               return with_core(
-                                   h, [](Scheduler& c) { return c.block_pool().num_blocks(); });
-                             })
-      .def_property_readonly("kv_usage", [](SchedulerHandle& h) {
-        return with_core(h, [](Scheduler& c) { return c.block_pool().usage(); });
-      });
+                             locked([](Scheduler& c) { return c.block_pool().num_blocks(); }))
+      .def_property_readonly("kv_usage",
+                             locked([](Scheduler& c) { return c.block_pool().usage(); }));
 }
 
 }  // namespace atom_sched

@@ -58,7 +58,8 @@ void SamplingParams::validate() const {
     require(t >= 0, "stop_token_ids must be >= 0" + got(int64_t{t}));
   for (const auto& seq : stop_token_sequences) {
     require(!seq.empty(), "stop_token_sequences must not contain an empty sequence");
-    for (int32_t t : seq) require(t >= 0, "stop_token_sequences ids must be >= 0" + got(int64_t{t}));
+    for (int32_t t : seq)
+      require(t >= 0, "stop_token_sequences ids must be >= 0" + got(int64_t{t}));
   }
 }
 

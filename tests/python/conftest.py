@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -176,7 +177,7 @@ class FakeModel:
         self.last_drafts.pop(rid, None)
 
     # -- one forward ----------------------------------------------------------------------------
-    def run(self, rec: "BatchRecord") -> dict[str, Any]:
+    def run(self, rec: BatchRecord) -> dict[str, Any]:
         """The update() keyword arguments for the batch `rec` (advances the device-side counts)."""
         self.calls += 1
         k = self.k
@@ -245,7 +246,7 @@ class BatchRecord:
     step_output: list[tuple[int, list[int], str | None]] = field(default_factory=list)
 
     @staticmethod
-    def of(b: Any) -> "BatchRecord":
+    def of(b: Any) -> BatchRecord:
         return BatchRecord(
             id=int(b.id),
             is_prefill=bool(b.is_prefill),
@@ -517,10 +518,10 @@ class Driver:
 
     def run(
         self,
-        hook: Callable[["Driver", int], bool] | None = None,
+        hook: Callable[[Driver, int], bool] | None = None,
         max_iters: int = 20000,
         allow_prefill: bool | Callable[[int], bool] = True,
-    ) -> "Driver":
+    ) -> Driver:
         """Iterates until nothing is left. `hook(driver, iteration)` runs before every iteration
         (to add or abort requests) and returns whether it still has work to inject.
         `allow_prefill` may be a function of the iteration (a data-parallel veto)."""
@@ -578,9 +579,8 @@ class Driver:
         assert cu_q[0] == 0 and cu_k[0] == 0
         assert [cu_q[i + 1] - cu_q[i] for i in range(n)] == rec.num_scheduled_tokens
         assert [cu_k[i + 1] - cu_k[i] for i in range(n)] == rec.context_lens
-        assert [c + s for c, s in zip(rec.num_cached_tokens, rec.num_scheduled_tokens)] == (
-            rec.context_lens
-        )
+        pairs = zip(rec.num_cached_tokens, rec.num_scheduled_tokens, strict=True)
+        assert [c + s for c, s in pairs] == rec.context_lens
         assert int(b.max_seqlen_q) == max(rec.num_scheduled_tokens)
         assert int(b.max_seqlen_k) == max(rec.context_lens)
         if rec.is_prefill:
@@ -638,7 +638,7 @@ class Driver:
             if not rec.row_exact[i]:
                 continue
             pos = rec.row_positions(i)
-            for j, (p, t) in enumerate(zip(pos, toks)):
+            for j, (p, t) in enumerate(zip(pos, toks, strict=True)):
                 if self.mode == "sync":
                     if j == 0:
                         assert p == len(known) - 1, ("decode position", rid, p, len(known))

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-import atom_sched
 from conftest import (
     EOS,
     BatchRecord,
@@ -19,6 +17,8 @@ from conftest import (
     require_scheduler,
     sp,
 )
+
+import atom_sched
 
 require_scheduler()
 
@@ -436,7 +436,8 @@ def test_rejected_positions_may_hold_minus_one() -> None:
     s = Scheduler(make_config(num_blocks=16, block_size=4, num_speculative_tokens=k))
     s.add_request(0, prompt(3), sp(max_tokens=10))
     b = s.schedule()
-    s.update(b, np.array([[42, -1, -1, -1]], np.int32), draft_token_ids=np.full((1, 3), 7, np.int32))
+    s.update(b, np.array([[42, -1, -1, -1]], np.int32),
+             draft_token_ids=np.full((1, 3), 7, np.int32))
     b = s.schedule()
     out = s.update(
         b,

@@ -6,8 +6,6 @@ Block size 4 throughout unless said otherwise; token timelines are written in th
 from __future__ import annotations
 
 import pytest
-
-import atom_sched
 from conftest import (
     EOS,
     cdiv,
@@ -17,6 +15,8 @@ from conftest import (
     require_scheduler,
     sp,
 )
+
+import atom_sched
 
 require_scheduler()
 
@@ -123,7 +123,8 @@ def test_partial_prefills_resume_first_in_running_order() -> None:
     for _ in range(5):
         rec = d.schedule()
         assert rec is not None and rec.is_prefill
-        steps.append(list(zip(rec.req_ids, rec.num_cached_tokens, rec.num_scheduled_tokens)))
+        steps.append(list(zip(rec.req_ids, rec.num_cached_tokens, rec.num_scheduled_tokens,
+                                 strict=True)))
         d.update()
     assert steps == [
         [(0, 0, 8)],

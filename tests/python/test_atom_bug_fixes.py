@@ -9,7 +9,6 @@ request's real tokens, and that every log-probability lines up with its token.
 from __future__ import annotations
 
 import pytest
-
 from conftest import (
     EOS,
     Driver,
@@ -539,7 +538,7 @@ def test_8_18_8_19_per_row_arrays_aligned_with_rows(mode: str) -> None:
         if not rec.is_prefill:
             assert rec.spec_draft_tokens.shape == (n, k)
             if mode == "sync":
-                for i, rid in enumerate(rec.req_ids):
+                for i in range(len(rec.req_ids)):
                     assert list(rec.spec_draft_tokens[i]) == rec.row_tokens(i)[1:]
 
 

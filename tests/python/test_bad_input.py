@@ -8,11 +8,11 @@ run, that the run then produces exactly the outputs of a run without the bad cal
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
-
 from conftest import (
     EOS,
     BatchRecord,
@@ -343,7 +343,8 @@ def test_bad_update_outputs_k0(mode: str) -> None:
             try:
                 expect_unchanged(dr.sched, exc, lambda bad=bad: dr.sched.update(b, **bad))
             except AssertionError as e:  # name the fault in the failure
-                raise AssertionError(f"{what} (batch {rec.id}, prefill={rec.is_prefill}): {e}")
+                raise AssertionError(
+                    f"{what} (batch {rec.id}, prefill={rec.is_prefill}): {e}") from e
 
     d.pre_update = pre
     d.run()
@@ -408,7 +409,8 @@ def test_bad_update_outputs_with_drafts(mode: str) -> None:
             try:
                 expect_unchanged(dr.sched, exc, lambda bad=bad: dr.sched.update(b, **bad))
             except AssertionError as e:
-                raise AssertionError(f"{what} (batch {rec.id}, prefill={rec.is_prefill}): {e}")
+                raise AssertionError(
+                    f"{what} (batch {rec.id}, prefill={rec.is_prefill}): {e}") from e
 
     d.pre_update = pre
     d.run()

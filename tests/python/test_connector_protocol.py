@@ -320,7 +320,7 @@ def test_a_transfer_report_naming_an_id_twice_changes_nothing():
 def test_a_connector_calling_back_into_its_scheduler_gets_an_error_not_a_deadlock():
     class Reentrant(Consumer):
         def get_num_new_matched_tokens(self, request):
-            self.sched.num_free_blocks  # re-enters the scheduler from inside schedule()
+            _ = self.sched.num_free_blocks  # re-enters the scheduler from inside schedule()
             return super().get_num_new_matched_tokens(request)
 
     s = make()

@@ -14,9 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from conftest import (
     EOS,
     Driver,
@@ -28,6 +25,8 @@ from conftest import (
     require_scheduler,
     sp,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 require_scheduler()
 

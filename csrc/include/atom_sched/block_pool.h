@@ -1,15 +1,15 @@
 // The paged KV-cache block pool and its prefix cache.
 //
 // Blocks are reference counted. A block with ref count 0 is on the free list, an intrusive doubly
-// linked list over block ids kept in LRU order (allocation takes the head, frees go to the tail), so
-// taking, returning and removing a block on a cache hit are O(1) and the list never holds a block
-// twice (ATOM's deque with stale duplicates, bug 8.29, is gone).
+// linked list over block ids kept in LRU order (allocation takes the head, frees go to the tail),
+// so taking, returning and removing a block on a cache hit are O(1) and the list never holds a
+// block twice (ATOM's deque with stale duplicates, bug 8.29, is gone).
 //
 // Prefix cache: the chained hash of a full block (block_hash() in xxhash64.h) maps to the block
-// that holds that content. A freed block keeps its hash ("free-cached") and is evicted lazily, when
-// it is handed out fresh. Hashes are published only after the forward that computed the blocks
-// (publish()), never at allocation. A lookup also compares the stored tokens, so a hash collision is
-// never a hit.
+// that holds that content. A freed block keeps its hash ("free-cached") and is evicted lazily,
+// when it is handed out fresh. Hashes are published only after the forward that computed the
+// blocks (publish()), never at allocation. A lookup also compares the stored tokens, so a hash
+// collision is never a hit.
 //
 // Per-request state slots (linear-attention/Mamba state) are a separate pool of slot ids.
 //
@@ -59,7 +59,8 @@ class BlockPool {
 
   /// Gives a request blocks for `num_tokens` tokens: the first `num_cached_blocks` are the cache
   /// hits can_allocate found (shared, ref count + 1), the rest fresh (lazily evicting their old
-  /// hash). Appends the ids to `table`, which must be empty. Call right after can_allocate said yes.
+  /// hash). Appends the ids to `table`, which must be empty. Call right after can_allocate says
+  /// yes.
   void allocate(std::span<const uint64_t> hashes, int32_t num_cached_blocks, int32_t num_tokens,
                 std::vector<int32_t>& table);
 

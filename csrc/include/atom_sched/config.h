@@ -18,7 +18,7 @@ struct SchedulerConfig {
   int32_t max_model_len = 8192;           // bound on prompt + generated tokens of a request
   bool enable_prefix_caching = true;
   bool enable_chunked_prefill = true;
-  int32_t num_speculative_tokens = 0;  // K: drafts verified per decode row (0..kMaxSpeculativeTokens)
+  int32_t num_speculative_tokens = 0;  // K: drafts verified per decode row (0..8)
   int32_t eos_token_id = -1;           // -1: no EOS
   std::vector<int32_t> stop_token_ids;  // stop tokens for every request (in addition to EOS)
   double scheduler_delay_factor = 0.0;  // > 0 delays admission as ATOM does (seconds ratio)

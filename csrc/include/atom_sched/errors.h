@@ -1,6 +1,6 @@
-// Error types of atom_sched. Bad input from a caller is an InvalidArgument (Python ValueError) or an
-// UnknownRequest (Python KeyError); a broken internal invariant is an InvariantViolation, which is
-// a bug in atom_sched, never the caller's fault. Running out of KV blocks is not an error.
+// Error types of atom_sched. Bad input from a caller is an InvalidArgument (Python ValueError) or
+// an UnknownRequest (Python KeyError); a broken internal invariant is an InvariantViolation, which
+// is a bug in atom_sched, never the caller's fault. Running out of KV blocks is not an error.
 #pragma once
 
 #include <stdexcept>

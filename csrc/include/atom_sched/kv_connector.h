@@ -34,7 +34,7 @@ struct ConnectorRequest {
 
 /// get_num_new_matched_tokens()'s answer.
 struct RemoteMatch {
-  int32_t num_tokens = 0;    // informational (ATOM's too): with load_async the whole prompt is remote
+  int32_t num_tokens = 0;    // informational, as in ATOM: with load_async the prompt is remote
   bool load_async = false;   // the request waits for that KV instead of prefilling
   int32_t first_token = -1;  // the producer's first sampled token (ATOM's T0), -1 if none
   std::vector<int32_t> draft_tokens;  // the producer's drafts for the first decode (<= K used)

@@ -28,7 +28,7 @@ struct alignas(64) Request {
   int64_t id = -1;
   uint64_t epoch = 0;               // unique per admission (a new block table); 0: never admitted
   RequestStatus status = RequestStatus::kFinished;
-  bool in_use = false;        // the slot holds a request (possibly finished, awaiting in-flight outputs)
+  bool in_use = false;     // the slot holds a request (maybe finished, awaiting in-flight outputs)
   bool preempted = false;     // was preempted at least once since it was added
   bool ignore_eos = false;
   bool has_stop_lists = false;      // stop_token_ids or stop_sequences non-empty

@@ -105,7 +105,9 @@ class Scheduler {
   /// KV events recorded since the last call.
   [[nodiscard]] std::vector<KvEvent> take_events() { return pool_.take_events(); }
   /// Attaches a KV connector (nullptr detaches it); see kv_connector.h for the call order.
-  void set_kv_connector(std::shared_ptr<KvConnector> connector) { connector_ = std::move(connector); }
+  void set_kv_connector(std::shared_ptr<KvConnector> connector) {
+    connector_ = std::move(connector);
+  }
   [[nodiscard]] const std::shared_ptr<KvConnector>& kv_connector() const { return connector_; }
 
   /// The connector's transfer reports: `finished_recving` requests have their remote KV (they
@@ -134,7 +136,9 @@ class Scheduler {
   [[nodiscard]] const SchedulerConfig& config() const noexcept { return config_; }
   [[nodiscard]] const BlockPool& block_pool() const noexcept { return pool_; }
   /// Requests not running: waiting to be admitted, or waiting for remote KV.
-  [[nodiscard]] int32_t num_waiting() const noexcept { return waiting_.size + remote_waiting_.size; }
+  [[nodiscard]] int32_t num_waiting() const noexcept {
+    return waiting_.size + remote_waiting_.size;
+  }
   [[nodiscard]] int32_t num_running() const noexcept { return running_.size; }
   [[nodiscard]] int32_t num_outstanding_batches() const noexcept { return num_outstanding_; }
   [[nodiscard]] bool has_unfinished_requests() const noexcept {

@@ -1,9 +1,9 @@
 // xxHash64 (XXH64) and ATOM's chained KV-block hash.
 //
-// Our own implementation of the published XXH64 algorithm; digests are bit-identical to the reference
-// library (and to Python's `xxhash.xxh64`). Nothing here allocates or throws. All functions and the
-// state class are reentrant; a single Xxhash64State must not be shared between threads without
-// external synchronisation.
+// Our own implementation of the published XXH64 algorithm; digests are bit-identical to the
+// reference library (and to Python's `xxhash.xxh64`). Nothing here allocates or throws. All
+// functions and the state class are reentrant; a single Xxhash64State must not be shared between
+// threads without external synchronisation.
 #pragma once
 
 #include <cstddef>
