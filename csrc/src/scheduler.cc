@@ -200,6 +200,7 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.tokens.clear();
   r.tokens.reserve(most_tokens);
   r.tokens.assign(prompt.begin(), prompt.end());
+  r.last_token = r.tokens.back();
   r.block_table.clear();
   r.block_table.reserve(table_width_);
   r.block_hashes.clear();
@@ -386,6 +387,7 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
       break;
     }
     pool_.allocate(r.block_hashes, hits, r.num_tokens(), r.block_table);
+    r.last_block = r.block_table.back();
     r.epoch = next_epoch_++;
     r.blocks_shipped = 0;
     r.prefill_target = r.num_tokens();
@@ -490,6 +492,7 @@ void Scheduler::schedule_decodes(Batch& b) {
     // Exact reservation for this row's positions S .. S+K (ATOM over- or under-reserved, 8.6/8.7).
     const int32_t needed = ceil_div(r.num_computed_tokens + n, bs);
     bool preempted_self = false;
+    const size_t blocks_before = r.block_table.size();
     while (static_cast<int32_t>(r.block_table.size()) < needed &&
            !pool_.grow(r.block_table, needed)) {
       // Recompute preemption, LIFO: the tail of running. Rows already in this batch sit before
@@ -502,6 +505,7 @@ void Scheduler::schedule_decodes(Batch& b) {
       }
     }
     if (preempted_self) break;  // s was the tail: nothing after it
+    if (r.block_table.size() != blocks_before) r.last_block = r.block_table.back();
     add_decode_row(b, s);
     s = links_[s].next;
   }
@@ -513,6 +517,7 @@ void Scheduler::release_kv(Request& r, bool keep_blocks) {
   if (!keep_blocks) {
     pool_.free(r.block_table);
     r.block_table.clear();
+    r.last_block = -1;
   }
   if (r.state_slot >= 0) pool_.release_state_slot(r.state_slot);
   r.state_slot = -1;
@@ -655,7 +660,8 @@ void Scheduler::begin_batch(Batch& b, bool is_prefill) {
   const int32_t* table = r.block_table.data();
   int32_t block = start / bs;
   int32_t offset = start - block * bs;
-  int64_t base = int64_t{table[block]} * bs;
+  const int32_t last = static_cast<int32_t>(r.block_table.size()) - 1;
+  int64_t base = int64_t{block == last ? r.last_block : table[block]} * bs;
   for (int32_t i = 0; i < num_tokens; ++i) {
     positions[i] = start + i;
     slots[i] = base + offset;
@@ -691,7 +697,7 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   // Input: the last real token, then the K drafts. One step ahead they are still on the device.
   int32_t* tokens = b.scheduled_tokens.data() + b.num_tokens;
   int32_t* drafts = b.spec_draft_tokens.data() + static_cast<size_t>(row) * k_;
-  tokens[0] = known ? r.tokens.back() : -1;
+  tokens[0] = known ? r.last_token : -1;
   for (int32_t j = 0; j < k_; ++j) drafts[j] = tokens[j + 1] = known ? r.drafts[j] : -1;
   b.num_tokens += n;
   b.emits_token[row] = 1;

@@ -102,6 +102,7 @@ void Scheduler::start_remote_decode(int32_t slot) {
   if (r.remote_first_token >= 0) {
     // The producer's first token becomes a real token, streamed with the first output.
     r.tokens.push_back(r.remote_first_token);
+    r.last_token = r.remote_first_token;
     r.num_unstreamed = 1;
     // It may already end the request (EOS, max_tokens=1): the first decode's output then only
     // streams it and finishes, whatever the row sampled.

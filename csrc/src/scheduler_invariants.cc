@@ -66,6 +66,7 @@ void Scheduler::check_invariants() const {
     }
     ++live;
     check(slot_of(r.id) == static_cast<int32_t>(s), who + "id map disagrees");
+    check(r.last_token == r.tokens.back(), who + "cached last token is stale");
     check(r.num_tokens() >= r.num_prompt_tokens, who + "lost prompt tokens");
     if (r.status != RequestStatus::kRunning) {
       const bool remote = r.status == RequestStatus::kWaitingForRemoteKv;
@@ -86,6 +87,7 @@ void Scheduler::check_invariants() const {
               !device_slot_used[r.device_slot],
           who + "device slot missing or shared");
     device_slot_used[r.device_slot] = 1;
+    check(r.last_block == r.block_table.back(), who + "cached last block is stale");
     check(r.blocks_shipped <= static_cast<int32_t>(r.block_table.size()),
           who + "shipped more blocks than it holds");
     count_blocks(r, who);

@@ -127,6 +127,7 @@ void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs
     r.tokens.push_back(sampled[kept++]);
     reason = stop_reason(r, stop_token);
   }
+  r.last_token = r.tokens.back();
   // Entries are written by index into arrays update() sized for the worst case.
   StepOutput& so = step_output_;
   const int32_t e = so_entries_++;
