@@ -20,27 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from conftest import _mix as mix  # one deterministic mixer for every suite
 
 import atom_sched
 from atom_sched import _core
 
-MASK64 = (1 << 64) - 1
 EOS = 1
-
-
-def mix(*xs: int) -> int:
-    h = 0x9E3779B97F4A7C15
-    for x in xs:
-        h = (h ^ (x & MASK64)) & MASK64
-        h = (h + 0x9E3779B97F4A7C15) & MASK64
-        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & MASK64
-        h ^= h >> 31
-    return h
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ---------------------------------------------------------------------------------------------
