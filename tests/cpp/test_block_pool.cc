@@ -16,24 +16,15 @@
 #include "atom_sched/errors.h"
 #include "atom_sched/kv_events.h"
 #include "atom_sched/xxhash64.h"
+#include "test_tokens.h"
 
 namespace atom_sched {
 namespace {
 
-using V = std::vector<int32_t>;
+using test::Cat;
+using test::Seq;
+using test::V;
 using H = std::vector<uint64_t>;
-
-// start, start+1, ..., start+n-1
-V Seq(int32_t start, int32_t n) {
-  V v(n);
-  for (int32_t i = 0; i < n; ++i) v[i] = start + i;
-  return v;
-}
-
-V Cat(V a, const V& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
 
 // ATOM's chained hashes of the full blocks of `tokens`.
 H Chain(const V& tokens, int32_t bs) {

@@ -27,22 +27,15 @@
 #include "atom_sched/request.h"
 #include "atom_sched/step_output.h"
 #include "atom_sched/xxhash64.h"
+#include "test_tokens.h"
 
 namespace atom_sched {
 namespace {
 
-using V = std::vector<int32_t>;
+using test::Cat;
+using test::Seq;
+using test::V;
 using V64 = std::vector<int64_t>;
-
-V Seq(int32_t start, int32_t n) {
-  V v(n);
-  for (int32_t i = 0; i < n; ++i) v[i] = start + i;
-  return v;
-}
-V Cat(V a, const V& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
 
 SchedulerConfig Cfg(int32_t num_blocks, int32_t block_size = 4) {
   SchedulerConfig c;
