@@ -39,10 +39,6 @@ import numpy as np
 
 from . import SamplingParams, Scheduler, SchedulerConfig, __version__
 
-# ATOM's Python scheduler, measured on the same machine (DESIGN.md section 8): a decode step costs
-# about 20 µs per running request (2-5 ms at 256, 20-25 ms at 1,024, 80-110 ms at 4,096).
-ATOM_US_PER_REQUEST = 20.0
-
 BLOCK_SIZE = 16
 DECODE_SIZES = (64, 256, 1024, 4096)
 
@@ -76,7 +72,6 @@ class Result:
     p90: float | None = None
     reps: int = 0
     budget: float | None = None
-    atom: float | None = None  # ATOM's cost for the same work, in `unit`, if one can be stated
     checked: bool = False  # the full per-step verification ran (check=True)
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -90,13 +85,9 @@ class Result:
             return "info"
         return "PASS" if self.median <= self.budget else "OVER"
 
-    @property
-    def speedup(self) -> float | None:
-        return None if not self.atom or self.median <= 0 else self.atom / self.median
-
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(ratio=self.ratio, status=self.status, speedup=self.speedup)
+        d.update(ratio=self.ratio, status=self.status)
         return d
 
 
@@ -416,8 +407,7 @@ def decode_step(n: int, reps: int, warmup: int, *, k: int = 0, check: bool = Fal
     else:
         name = f"decode step, {n:,} running"
     return Result(key=key, name=name, unit="µs/step", median=med, p10=p10, p90=p90, reps=reps,
-                  budget=None if staged else BUDGETS.get(key), atom=ATOM_US_PER_REQUEST * n,
-                  checked=check,
+                  budget=None if staged else BUDGETS.get(key), checked=check,
                   info={"rows": n, "tokens_per_step": n * (k + 1),
                         "tokens_gained_by_request_0": grown,
                         "touch": "staging copies" if staged else "views + last element",
@@ -449,7 +439,7 @@ def marginal_paired(pairs: int, chunk: int, warmup: int, *, check: bool = False,
     return Result(key="marginal_py", name=f"marginal cost per running request (Python, "
                   f"{lo // 1024}k->{hi // 1024}k paired)", unit="ns/request", median=med, p10=p10,
                   p90=p90, reps=pairs, budget=BUDGETS["marginal_py"],
-                  atom=ATOM_US_PER_REQUEST * 1e3, checked=check,
+                  checked=check,
                   info={"pairs": pairs, "steps_per_side": chunk,
                         "cpu_share": _min_opt(a.ng.cpu_share, b.ng.cpu_share),
                         "other_busy": _max_opt(a.ng.other_busy, b.ng.other_busy),
@@ -568,7 +558,7 @@ def admission(reps: int, warmup: int, *, check: bool = False, num_prompts: int =
     computed = num_prompts * prompt_len - int(np.median(hits_list))
     return Result(key="admission", name=f"admit {num_prompts} x {prompt_len}-token prompts, "
                   f"half sharing {shared_len}", unit="µs total", median=med, p10=p10, p90=p90,
-                  reps=reps, budget=BUDGETS["admission"], atom=None, checked=check,
+                  reps=reps, budget=BUDGETS["admission"], checked=check,
                   info={"schedule_calls": int(np.median(calls_list)),
                         "max_num_batched_tokens": budget_tokens,
                         "prefix_hit_tokens": int(np.median(hits_list)),
@@ -649,7 +639,7 @@ def preemption(reps: int, warmup: int, *, check: bool = False, n: int = 256,
     mean_rows = float(rows.mean())
     return Result(key="preempt_256", name=f"preemption pressure, {n} live requests", unit="µs/step",
                   median=med, p10=p10, p90=p90, reps=reps, budget=None,
-                  atom=ATOM_US_PER_REQUEST * mean_rows, checked=check,
+                  checked=check,
                   info={"preemptions_per_step": preemptions / reps,
                         "decode_step_fraction": float(dec.mean()),
                         "mean_rows_per_step": mean_rows,
@@ -777,7 +767,6 @@ def run_suite(quick: bool = False, check: bool = False, only: str | None = None,
             results["marginal_cpp"] = Result(
                 key="marginal_cpp", name="marginal cost per running request (C++ core, 1k->4k)",
                 unit="ns/request", median=cpp["slope_ns"], reps=0, budget=BUDGETS["marginal_cpp"],
-                atom=ATOM_US_PER_REQUEST * 1e3,
                 info={"per_step_us": cpp["per_step_us"], "ns_per_request": cpp["ns_per_request"],
                       "allocs_per_step": cpp["allocs_per_step"], "binary": cpp["binary"]})
     return list(results.values())
@@ -796,14 +785,12 @@ def _fmt(x: float | None, digits: int = 1) -> str:
 
 
 def format_table(results: list[Result]) -> str:
-    head = ["workload", "unit", "median", "p10", "p90", "budget", "ratio", "status",
-            "ATOM est.", "speed-up"]
+    head = ["workload", "unit", "median", "p10", "p90", "budget", "ratio", "status"]
     rows = []
     for r in results:
         rows.append([
             r.name, r.unit, _fmt(r.median), _fmt(r.p10), _fmt(r.p90), _fmt(r.budget, 0),
             "-" if r.ratio is None else f"{r.ratio:.2f}", r.status,
-            _fmt(r.atom, 0), "-" if r.speedup is None else f"{r.speedup:,.0f}x",
         ])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     left = {0, 1, 7}
@@ -871,7 +858,6 @@ def metadata(quick: bool, check: bool) -> dict[str, Any]:
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "quick": quick, "check": check, "timer": "time.perf_counter_ns",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "atom_us_per_request": ATOM_US_PER_REQUEST,
     }
 
 
@@ -882,7 +868,7 @@ def write_json(path: Path, results: list[Result], meta: dict[str, Any]) -> None:
 
 
 def plot_decode(path: Path, results: list[Result]) -> bool:
-    """µs per decode step against running requests (log-log), budgets and ATOM's estimate marked.
+    """µs per decode step against running requests (log-log), budgets marked.
     Returns False (writing nothing) if matplotlib is missing or no decode result exists."""
     by = {r.key: r for r in results}
     dec = [by[f"decode_{n}"] for n in DECODE_SIZES if f"decode_{n}" in by]
@@ -916,9 +902,6 @@ def plot_decode(path: Path, results: list[Result]) -> bool:
     for n, v in bud:
         ax.annotate(f"budget {v:.0f} µs", (n, v), textcoords="offset points", xytext=(-30, 8),
                     fontsize=8, color="tab:red")
-    xs = np.array([48, 5500])
-    ax.plot(xs, ATOM_US_PER_REQUEST * xs, ls=":", color="gray",
-            label=f"ATOM (~{ATOM_US_PER_REQUEST:.0f} µs/request)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xticks(DECODE_SIZES)
@@ -946,7 +929,7 @@ def which_tqdm() -> Any:
 
 
 __all__ = [
-    "ATOM_US_PER_REQUEST", "BUDGETS", "BenchCheckError", "Result", "Reps", "Workload",
+    "BUDGETS", "BenchCheckError", "Result", "Reps", "Workload",
     "admission", "decode_step", "find_cpp_bench", "format_notes", "format_table",
     "marginal_paired", "split_slope",
     "metadata", "plot_decode", "preemption", "run_cpp_decode", "run_suite", "which_tqdm",
