@@ -3,6 +3,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
+
 #include "atom_sched/config.h"
 #include "bindings.h"
 
@@ -11,10 +13,43 @@ namespace atom_sched {
 namespace py = pybind11;
 using namespace pybind11::literals;
 
+namespace {
+
+// Pickle (and so copy, deepcopy and multiprocessing) through the keyword constructor: the state
+// is a dict of the constructor's keywords, and unpickling calls the constructor with it, so an
+// unpickled object is validated exactly as a new one. `fields` must list the keywords.
+template <typename T, size_t N>
+void add_pickle(py::class_<T>& cls, const std::array<const char*, N>& fields) {
+  cls.def(py::pickle(
+      [fields](py::object self) {
+        py::dict state;
+        for (const char* f : fields) state[f] = self.attr(f);
+        return state;
+      },
+      [](const py::dict& state) {
+        return py::type::of<T>()(**state).template cast<T>();
+      }));
+  // Protocols 0 and 1 would go through copyreg._reduce_ex, which pybind11 objects cannot take:
+  // every protocol uses protocol 2's form (copyreg.__newobj__, then __setstate__).
+  cls.def("__reduce_ex__", [](py::object self, int /*protocol*/) {
+    return py::module_::import("builtins").attr("object").attr("__reduce_ex__")(self, 2);
+  });
+}
+
+constexpr std::array<const char*, 13> kSchedulerConfigFields = {
+    "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+    "enable_prefix_caching", "enable_chunked_prefill", "num_speculative_tokens", "eos_token_id",
+    "stop_token_ids", "scheduler_delay_factor", "enable_kv_events", "num_state_slots"};
+constexpr std::array<const char*, 10> kSamplingParamsFields = {
+    "temperature", "top_k", "top_p", "max_tokens", "ignore_eos", "n", "logprobs",
+    "stop_token_ids", "stop_token_sequences", "seed"};
+
+}  // namespace
+
 void bind_config(py::module_& m) {
-  py::class_<SchedulerConfig>(m, "SchedulerConfig",
-                              "Static configuration of a Scheduler (validated by Scheduler()).")
-      .def(py::init([](int32_t num_blocks, int32_t block_size, int32_t max_num_seqs,
+  py::class_<SchedulerConfig> config(m, "SchedulerConfig",
+                              "Static configuration of a Scheduler (validated by Scheduler()).");
+  config.def(py::init([](int32_t num_blocks, int32_t block_size, int32_t max_num_seqs,
                        int32_t max_num_batched_tokens, int32_t max_model_len,
                        bool enable_prefix_caching, bool enable_chunked_prefill,
                        int32_t num_speculative_tokens, int32_t eos_token_id,
@@ -65,10 +100,11 @@ void bind_config(py::module_& m) {
                ", max_model_len=" + std::to_string(c.max_model_len) +
                ", num_speculative_tokens=" + std::to_string(c.num_speculative_tokens) + ")";
       });
+  add_pickle(config, kSchedulerConfigFields);
 
-  py::class_<SamplingParams>(m, "SamplingParams",
-                             "How a request samples and stops (ATOM's fields; validated here).")
-      .def(py::init([](float temperature, int32_t top_k, float top_p, int32_t max_tokens,
+  py::class_<SamplingParams> params(m, "SamplingParams",
+                             "How a request samples and stops (ATOM's fields; validated here).");
+  params.def(py::init([](float temperature, int32_t top_k, float top_p, int32_t max_tokens,
                        bool ignore_eos, int32_t n, bool logprobs,
                        std::vector<int32_t> stop_token_ids,
                        std::vector<std::vector<int32_t>> stop_token_sequences, int64_t seed) {
@@ -107,6 +143,7 @@ void bind_config(py::module_& m) {
                ", max_tokens=" + std::to_string(p.max_tokens) +
                ", ignore_eos=" + (p.ignore_eos ? "True" : "False") + ")";
       });
+  add_pickle(params, kSamplingParamsFields);
 }
 
 }  // namespace atom_sched

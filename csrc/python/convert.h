@@ -14,8 +14,8 @@ namespace atom_sched::py_convert {
 
 namespace py = pybind11;
 
-/// An int32 view of a Python integer sequence or integer array: zero-copy for a C-contiguous
-/// int32 array, else converted (values outside int32 are a ValueError).
+/// An int32 copy of a Python integer sequence or integer array (values outside int32 are a
+/// ValueError; containers that are not lists, tuples, ranges or arrays a TypeError).
 class Int32Input {
  public:
   /// `ndim` 1 or 2; 0 accepts either. Empty `what` is used in messages.
@@ -25,8 +25,7 @@ class Int32Input {
   [[nodiscard]] py::ssize_t dim(int i) const { return shape_[i]; }
 
  private:
-  py::array keep_;  // the array the data lives in (zero-copy) ...
-  std::vector<int32_t> copy_;  // ... or the converted values
+  std::vector<int32_t> copy_;  // the caller's values, copied before anything reads them
   const int32_t* data_ = nullptr;
   size_t size_ = 0;
   int ndim_ = 0;
