@@ -3,10 +3,104 @@
 // shuffles are wrapped because HIP 5.2 has no __shfl_*_sync and CUDA 13 has no mask-less
 // __shfl_up, and AMD CDNA wavefronts are 64 lanes where NVIDIA warps are 32.
 //
-// Include this only from .hip sources (nvcc compiles them as CUDA with -x cu, hipcc as HIP).
+// Three back ends: nvcc (-x cu), hipcc (AMD), and HIP-CPU (ATOM_SCHED_HIP_CPU: g++ with AMD's
+// header-only HIP CPU Runtime, which runs the kernels' threads as fibers on the host; CI uses it
+// to execute the real kernels against the references, docs/device.md).
+//
+// Include this only from .hip sources.
 #pragma once
 
-#if defined(__CUDACC__) && !defined(__HIP__)
+#if defined(ATOM_SCHED_HIP_CPU)
+// ---- HIP-CPU (g++; every block's threads are fibers on one host thread) ------------------------
+// Workarounds, for this back end only (the kernels are compiled unmodified):
+//  * its __shfl* are block-wide barriers (every fiber of the block yields in turn), so a shuffle
+//    in a warp-uniform branch (block_scan2's warp 0) desynchronises the block's barriers: the
+//    shuffles here exchange through a per-thread scratch and wait only for the calling warp;
+//  * __forceinline__ expands to nothing without NDEBUG (multiple definitions at -O0), and
+//    __device__/__global__ carry g++'s `simd` attribute (vector clones, warnings): plain here;
+//  * no <<<>>> under g++ (detail::launch uses hipLaunchKernelGGL), no graphs, no stream capture;
+//  * warpSize is a constexpr 64 there; ATOM_SCHED_WARP_SIZE (32 or 64) is chosen by the build
+//    (ATOM_SCHED_HIP_CPU_WARP_SIZE), so both NVIDIA's and AMD's lane counts are exercised.
+#include <hip/hip_runtime.h>
+
+#undef __forceinline__
+#define __forceinline__ inline
+#undef __device__
+#define __device__
+#undef __global__
+#define __global__ __attribute__((flatten))  // without g++'s `simd` (no vector clones of a kernel)
+
+#define ATOM_SCHED_PLATFORM_HIP_CPU 1
+#define ATOM_SCHED_BACKEND_NAME "hip-cpu"
+
+#if !defined(ATOM_SCHED_HIP_CPU_WARP_SIZE)
+#define ATOM_SCHED_HIP_CPU_WARP_SIZE 64
+#endif
+#define ATOM_SCHED_WARP_SIZE ATOM_SCHED_HIP_CPU_WARP_SIZE
+static_assert(ATOM_SCHED_WARP_SIZE == 32 || ATOM_SCHED_WARP_SIZE == 64,
+              "ATOM_SCHED_HIP_CPU_WARP_SIZE must be 32 or 64");
+
+namespace atom_sched::device::detail::hip_cpu {
+
+inline constexpr unsigned kMaxBlockThreads = 1024;
+
+/// This thread's index in its block (HIP-CPU: the fiber's id).
+inline unsigned thread_id() noexcept { return id(::hip::detail::Fiber::this_fiber()); }
+
+/// A barrier among the calling warp's lanes only: each lane yields to the next lane of its own
+/// warp, so the lanes pass it in turn and the rest of the block is not involved (HIP-CPU's own
+/// barrier walks every fiber of the block). Every lane of the warp must reach it.
+inline void warp_barrier() noexcept {
+  using ::hip::detail::Fiber;
+  using ::hip::detail::Tile;
+  const unsigned threads = count(Tile::this_tile().dimensions());  // found by ADL
+  const unsigned self = thread_id();
+  const unsigned base = self / ATOM_SCHED_WARP_SIZE * ATOM_SCHED_WARP_SIZE;
+  const unsigned lanes =
+      threads - base < ATOM_SCHED_WARP_SIZE ? threads - base : ATOM_SCHED_WARP_SIZE;
+  if (lanes <= 1) return;
+  ::hip::detail::this_tile::has_barrier = true;  // the block runs as fibers from now on
+  Fiber::yield(Tile::fibers()[base + (self - base + 1) % lanes]);
+}
+
+/// One word per thread of the block (fibers of a block share their host thread).
+template <typename T>
+inline T* scratch() noexcept {
+  thread_local T words[kMaxBlockThreads];
+  return words;
+}
+
+/// The value of lane `src` of the calling warp (src outside the warp: the caller's own value).
+template <typename T>
+inline T shuffle_from(T v, long src) noexcept {
+  const unsigned self = thread_id();
+  const unsigned base = self / ATOM_SCHED_WARP_SIZE * ATOM_SCHED_WARP_SIZE;
+  T* s = scratch<T>();
+  s[self] = v;
+  warp_barrier();
+  const T r = (src >= 0 && src < ATOM_SCHED_WARP_SIZE) ? s[base + src] : v;
+  warp_barrier();  // nobody overwrites its word before every lane has read
+  return r;
+}
+
+}  // namespace atom_sched::device::detail::hip_cpu
+
+template <typename T>
+__device__ __forceinline__ T atom_shfl_up(T v, unsigned delta) {
+  const long lane = atom_sched::device::detail::hip_cpu::thread_id() % ATOM_SCHED_WARP_SIZE;
+  return atom_sched::device::detail::hip_cpu::shuffle_from(v, lane - static_cast<long>(delta));
+}
+template <typename T>
+__device__ __forceinline__ T atom_shfl_down(T v, unsigned delta) {
+  const long lane = atom_sched::device::detail::hip_cpu::thread_id() % ATOM_SCHED_WARP_SIZE;
+  return atom_sched::device::detail::hip_cpu::shuffle_from(v, lane + static_cast<long>(delta));
+}
+template <typename T>
+__device__ __forceinline__ T atom_shfl(T v, int lane) {
+  return atom_sched::device::detail::hip_cpu::shuffle_from(v, lane);
+}
+
+#elif defined(__CUDACC__) && !defined(__HIP__)
 // ---- nvcc: HIP names -> CUDA --------------------------------------------------------------------
 #include <cuda_runtime.h>
 
@@ -90,7 +184,12 @@ Status launch(const char* name, Kernel kernel, unsigned grid, unsigned block, vo
               Args... args) {
   // Clear a stale error left by an earlier, unrelated call so it is not blamed on this launch.
   (void)hipGetLastError();
+#if defined(ATOM_SCHED_PLATFORM_HIP_CPU)
+  hipLaunchKernelGGL(kernel, dim3(grid), dim3(block), 0, static_cast<hipStream_t>(stream),
+                     args...);
+#else
   kernel<<<grid, block, 0, static_cast<hipStream_t>(stream)>>>(args...);
+#endif
   return check_launch(name);
 }
 
