@@ -30,6 +30,9 @@ Scheduler::Scheduler(SchedulerConfig config)
     : config_((config.validate(), std::move(config))),
       k_(config_.num_speculative_tokens),
       table_width_(config_.max_blocks_per_request()),
+      pool_positions_(static_cast<int32_t>(std::min<int64_t>(
+          int64_t{config_.num_blocks} * config_.block_size, std::numeric_limits<int32_t>::max()))),
+      position_limit_(std::min(config_.max_model_len, pool_positions_)),
       pool_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching,
             config_.enable_kv_events, config_.num_state_slots) {
   const size_t rows = config_.max_num_seqs;
@@ -76,6 +79,7 @@ Scheduler::Scheduler(SchedulerConfig config)
   // Popped from the back: the first admission gets device slot 0.
   for (int32_t s = config_.max_num_seqs - 1; s >= 0; --s) free_device_slots_.push_back(s);
   slot_by_id_.reserve(rows * 2);
+  victim_refs_.assign(config_.num_blocks, 0);
 }
 
 int32_t Scheduler::new_slot() {
@@ -103,10 +107,17 @@ int32_t Scheduler::slot_of(int64_t id) const {
   return it == slot_by_id_.end() ? -1 : it->second;
 }
 
-bool Scheduler::contains(int64_t id) const { return slot_of(id) >= 0; }
+int32_t Scheduler::slot_in_use(int64_t id) const {
+  const int32_t s = slot_of(id);
+  if (s >= 0) return s;
+  auto it = deferred_.find(id);
+  return it == deferred_.end() ? -1 : it->second;
+}
+
+bool Scheduler::contains(int64_t id) const { return slot_in_use(id) >= 0; }
 
 const Request& Scheduler::request(int64_t id) const {
-  int32_t s = slot_of(id);
+  const int32_t s = slot_in_use(id);
   if (s < 0) throw UnknownRequest("unknown request id " + id_str(id));
   return requests_[s];
 }
@@ -160,8 +171,11 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
                             const SamplingParams& params, double arrival_time) {
   // Validate everything before touching any state.
   if (id < 0) throw InvalidArgument("request id must be >= 0, got " + id_str(id));
-  if (slot_of(id) >= 0 || deferred_.count(id) > 0)
-    throw InvalidArgument("request id " + id_str(id) + " is already live");
+  if (slot_of(id) >= 0) throw InvalidArgument("request id " + id_str(id) + " is already live");
+  if (deferred_.count(id) > 0)
+    throw InvalidArgument("request id " + id_str(id) + " is finished but its KV blocks wait for "
+                          "a transfer; it can be reused once update_from_kv_xfer_finished() "
+                          "reports it (finished_sending / finished_recving)");
   if (prompt.empty()) throw InvalidArgument("request " + id_str(id) + ": the prompt is empty");
   for (size_t i = 0; i < prompt.size(); ++i)
     if (prompt[i] < 0)
@@ -226,6 +240,9 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
 
 void Scheduler::abort_request(int64_t id) {
   const int32_t slot = slot_of(id);
+  if (slot < 0 && deferred_.count(id) > 0)
+    throw UnknownRequest("request " + id_str(id) + " is already finished (its KV blocks wait for "
+                         "a transfer)");
   if (slot < 0) throw UnknownRequest("unknown request id " + id_str(id));
   ++stats_.num_aborted;
   finish(slot, FinishReason::kAborted, -1);
@@ -370,6 +387,7 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
     if (connector_) {
       try {
         match = connector_->get_num_new_matched_tokens(connector_view(r));
+        match.validate();  // a negative id in the answer is a failed call, like a throw
       } catch (const std::exception& e) {
         connector_failed(r, "get_num_new_matched_tokens", e);
         reject(s, "kv connector error: " + std::string(e.what()));
@@ -478,35 +496,79 @@ int32_t Scheduler::count_admittable_head_prefills(int32_t limit) {
   return count;
 }
 
+int32_t Scheduler::final_length(const Request& r) const {
+  // The stop rules that depend on the length alone (length_stop()): the request ends as soon as
+  // it holds this many tokens.
+  const int64_t max_tokens = int64_t{r.num_prompt_tokens} + r.max_tokens;
+  return static_cast<int32_t>(std::min<int64_t>(
+      {max_tokens, config_.max_model_len, int64_t{pool_positions_} + 1}));
+}
+
+int32_t Scheduler::decode_row_tokens(const Request& r) const {
+  // Outputs in flight (each emits at least one token) that will end the request: a row now
+  // would be discarded, and could preempt another request for nothing.
+  if (r.num_inflight > 0 && (r.pending_stop != FinishReason::kNone ||
+                             r.num_tokens() + r.num_inflight >= final_length(r)))
+    return 0;
+  // Every position < max_model_len (a model's rotary table has that many rows) and inside the
+  // pool: drafts past the limit are not scheduled (as vLLM). S is an upper bound one step ahead,
+  // so the device's exact positions are below the limit too.
+  return std::clamp(position_limit_ - r.num_computed_tokens, 0, k_ + 1);
+}
+
+bool Scheduler::preemption_can_free(int32_t slot, int32_t missing) {
+  int32_t room = pool_.num_free_blocks();
+  int32_t v = running_.tail;
+  for (; v != slot && room < missing; v = links_[v].prev)
+    for (int32_t blk : requests_[v].block_table)
+      if (++victim_refs_[blk] == pool_.ref_count(blk)) ++room;  // held by victims only
+  for (int32_t u = running_.tail; u != v; u = links_[u].prev)
+    for (int32_t blk : requests_[u].block_table) victim_refs_[blk] = 0;
+  return room >= missing;
+}
+
 void Scheduler::schedule_decodes(Batch& b) {
-  const int32_t n = k_ + 1;
   const int32_t bs = config_.block_size;
   for (int32_t s = running_.head; s >= 0;) {
     if (b.num_rows >= config_.max_num_seqs) break;
-    if (b.num_tokens + n > config_.max_num_batched_tokens) break;
     Request& r = requests_[s];
     if (r.is_partial_prefill()) {  // never decode a half-prefilled prompt (8.3)
       s = links_[s].next;
       continue;
     }
-    // Exact reservation for this row's positions S .. S+K (ATOM over- or under-reserved, 8.6/8.7).
+    const int32_t n = decode_row_tokens(r);
+    if (n == 0) {
+      s = links_[s].next;
+      continue;
+    }
+    if (b.num_tokens + n > config_.max_num_batched_tokens) break;
+    // Exact reservation for this row's positions S .. S+n-1 (ATOM over- or under-reserved,
+    // 8.6/8.7).
     const int32_t needed = ceil_div(r.num_computed_tokens + n, bs);
-    bool preempted_self = false;
-    const size_t blocks_before = r.block_table.size();
-    while (static_cast<int32_t>(r.block_table.size()) < needed &&
-           !pool_.grow(r.block_table, needed)) {
+    const int32_t have = static_cast<int32_t>(r.block_table.size());
+    if (have < needed && !pool_.grow(r.block_table, needed)) {
+      // Blocks held where no preemption reaches (rows before it, requests waiting for a
+      // transfer): with an empty batch, preempting would change the state and still schedule
+      // nothing, so the request keeps its blocks and waits; later requests may still run.
+      if (b.num_rows == 0 && !preemption_can_free(s, needed - have)) {
+        s = links_[s].next;
+        continue;
+      }
       // Recompute preemption, LIFO: the tail of running. Rows already in this batch sit before
       // `s` in the list, so they are never victims.
-      const int32_t victim = running_.tail;
-      preempt(victim);
-      if (victim == s) {
-        preempted_self = true;
-        break;
+      bool preempted_self = false;
+      while (!pool_.grow(r.block_table, needed)) {
+        const int32_t victim = running_.tail;
+        preempt(victim);
+        if (victim == s) {
+          preempted_self = true;
+          break;
+        }
       }
+      if (preempted_self) break;  // s was the tail: nothing after it
     }
-    if (preempted_self) break;  // s was the tail: nothing after it
-    if (r.block_table.size() != blocks_before) r.last_block = r.block_table.back();
-    add_decode_row(b, s);
+    if (static_cast<int32_t>(r.block_table.size()) != have) r.last_block = r.block_table.back();
+    add_decode_row(b, s, n);
     s = links_[s].next;
   }
 }
@@ -689,16 +751,18 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   ++r.num_inflight;
 }
 
-[[gnu::always_inline]] inline void Scheduler::add_decode_row(Batch& b, int32_t slot) {
+[[gnu::always_inline]] inline void Scheduler::add_decode_row(Batch& b, int32_t slot,
+                                                            int32_t n) {
   Request& r = requests_[slot];
-  const int32_t n = k_ + 1;
   const int32_t row = begin_row(b, r, slot, n);
   const bool known = r.num_inflight == 0;
-  // Input: the last real token, then the K drafts. One step ahead they are still on the device.
+  // Input: the last real token, then n-1 of the K drafts (all K but near the position limit).
+  // One step ahead they are still on the device. Drafts not scheduled read -1.
   int32_t* tokens = b.scheduled_tokens.data() + b.num_tokens;
   int32_t* drafts = b.spec_draft_tokens.data() + static_cast<size_t>(row) * k_;
   tokens[0] = known ? r.last_token : -1;
-  for (int32_t j = 0; j < k_; ++j) drafts[j] = tokens[j + 1] = known ? r.drafts[j] : -1;
+  for (int32_t j = 0; j < n - 1; ++j) drafts[j] = tokens[j + 1] = known ? r.drafts[j] : -1;
+  for (int32_t j = n - 1; j < k_; ++j) drafts[j] = -1;
   b.num_tokens += n;
   b.emits_token[row] = 1;
   r.num_computed_tokens += n;  // upper bound until the accepted count arrives

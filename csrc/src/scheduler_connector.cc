@@ -11,6 +11,16 @@ namespace atom_sched {
 
 using detail::id_str;
 
+void RemoteMatch::validate() const {
+  if (first_token < -1)
+    throw InvalidArgument("RemoteMatch.first_token must be >= 0, or -1 for none, got " +
+                          std::to_string(first_token));
+  for (size_t i = 0; i < draft_tokens.size(); ++i)
+    if (draft_tokens[i] < 0)
+      throw InvalidArgument("RemoteMatch.draft_tokens[" + std::to_string(i) + "] is negative (" +
+                            std::to_string(draft_tokens[i]) + ")");
+}
+
 ConnectorRequest Scheduler::connector_view(const Request& r) const {
   ConnectorRequest v;
   v.id = r.id;

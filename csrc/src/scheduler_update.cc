@@ -35,13 +35,21 @@ void Scheduler::validate_outputs(const Batch& b, const ModelOutputs& out) const 
     throw InvalidArgument("draft_token_ids given but num_speculative_tokens is 0");
   if (!out.logprobs.empty() && out.logprobs.size() != n)
     throw InvalidArgument("logprobs must have the shape of sampled_token_ids");
-  const int32_t max_accepted = b.is_prefill ? 1 : k_ + 1;
   for (size_t i = 0; i < rows; ++i) {
+    // A decode row accepts at most its tokens: K+1, fewer where drafts were capped.
+    const int32_t max_accepted = b.is_prefill ? 1 : b.num_scheduled_tokens[i];
     const int32_t a = out.num_accepted.empty() ? 1 : out.num_accepted[i];
     if (a < 1 || a > max_accepted)
       throw InvalidArgument("num_accepted[" + std::to_string(i) + "] = " + std::to_string(a) +
                             " is outside 1.." + std::to_string(max_accepted));
     if (!b.emits_token[i]) continue;
+    // The drafts an emitting row stores are next step's input tokens: checked as prompt tokens.
+    for (int32_t j = 0; j < k_; ++j) {
+      const int32_t d = out.draft_token_ids[i * k_ + j];
+      if (d < 0)
+        throw InvalidArgument("draft token [" + std::to_string(i) + ", " + std::to_string(j) +
+                              "] is negative (" + std::to_string(d) + ")");
+    }
     for (int32_t j = 0; j < a; ++j) {
       const int32_t t = out.sampled_token_ids[i * width + j];
       if (t < 0)
@@ -51,14 +59,21 @@ void Scheduler::validate_outputs(const Batch& b, const ModelOutputs& out) const 
   }
 }
 
+FinishReason Scheduler::length_stop(const Request& r) const {
+  if (r.num_generated() >= r.max_tokens) return FinishReason::kMaxTokens;
+  if (r.num_tokens() >= config_.max_model_len) return FinishReason::kMaxModelLen;  // (8.8)
+  // Its KV fills every position of the pool: the next decode could never be scheduled, even
+  // alone. It ends keeping its tokens (before, it preempted itself and was then rejected).
+  if (r.num_tokens() > pool_positions_) return FinishReason::kKvCapacity;
+  return FinishReason::kNone;
+}
+
 FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const {
   const int32_t tok = r.tokens.back();
   const int32_t generated = r.num_generated();
   if (!r.has_stop_lists) {
     if (!r.ignore_eos && tok == config_.eos_token_id) return FinishReason::kEos;
-    if (generated >= r.max_tokens) return FinishReason::kMaxTokens;
-    if (r.num_tokens() >= config_.max_model_len) return FinishReason::kMaxModelLen;
-    return FinishReason::kNone;
+    return length_stop(r);
   }
   for (const auto& seq : r.stop_sequences) {
     const int32_t len = static_cast<int32_t>(seq.size());
@@ -72,9 +87,7 @@ FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const
       return FinishReason::kStopToken;
     }
   }
-  if (generated >= r.max_tokens) return FinishReason::kMaxTokens;
-  if (r.num_tokens() >= config_.max_model_len) return FinishReason::kMaxModelLen;  // (8.8)
-  return FinishReason::kNone;
+  return length_stop(r);
 }
 
 void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs& out,
@@ -105,10 +118,11 @@ void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs
   } else {
     if (!out.num_accepted.empty()) accepted = out.num_accepted[row];
     // Roll back the upper bound by the rejected drafts (a preempted request restarts from 0).
-    if (running) r.num_computed_tokens -= (k_ + 1) - accepted;
+    const int32_t scheduled = b.num_scheduled_tokens[row];  // K+1, or fewer near the limit
+    if (running) r.num_computed_tokens -= scheduled - accepted;
     if (k_ > 0) {
       ++stats_.num_spec_steps;
-      stats_.num_draft_tokens += k_;
+      stats_.num_draft_tokens += scheduled - 1;
       stats_.num_accepted_draft_tokens += accepted - 1;
       ++stats_.acceptance_counts[accepted - 1];
     }

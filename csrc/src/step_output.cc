@@ -11,6 +11,7 @@ std::string finish_reason_string(FinishReason reason, int32_t stop_token) {
     case FinishReason::kMaxModelLen: return "max_model_len";
     case FinishReason::kAborted: return "abort";
     case FinishReason::kUnschedulable: return "unschedulable";
+    case FinishReason::kKvCapacity: return "kv_capacity";
     case FinishReason::kNone: break;
   }
   return "";

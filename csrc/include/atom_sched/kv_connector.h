@@ -38,6 +38,11 @@ struct RemoteMatch {
   bool load_async = false;   // the request waits for that KV instead of prefilling
   int32_t first_token = -1;  // the producer's first sampled token (ATOM's T0), -1 if none
   std::vector<int32_t> draft_tokens;  // the producer's drafts for the first decode (<= K used)
+
+  /// Token ids are checked as prompt tokens are: first_token >= -1, every draft >= 0. Throws
+  /// InvalidArgument naming the bad value. The scheduler calls it on every answer (a bad answer
+  /// is a failed connector call); a binding may call it on construction.
+  void validate() const;
 };
 
 class KvConnector {

@@ -144,8 +144,12 @@ class Scheduler {
   [[nodiscard]] bool has_unfinished_requests() const noexcept {
     return waiting_.size + remote_waiting_.size + running_.size > 0;
   }
-  /// The live request `id` (waiting or running). UnknownRequest otherwise.
+  /// The request `id` while its id is in use: live (waiting or running), or finished with its
+  /// KV blocks kept for a connector's transfer (status kFinished) until
+  /// update_from_kv_xfer_finished() reports it; add_request() refuses the id until then.
+  /// UnknownRequest otherwise.
   [[nodiscard]] const Request& request(int64_t id) const;
+  /// Whether `id` is in use, as request() defines it.
   [[nodiscard]] bool contains(int64_t id) const;
   /// Live request ids in queue order.
   [[nodiscard]] std::vector<int64_t> waiting_ids() const;
@@ -168,6 +172,7 @@ class Scheduler {
   int32_t new_slot();
   void release_slot_if_done(int32_t slot);
   [[nodiscard]] int32_t slot_of(int64_t id) const;  // -1 if not live
+  [[nodiscard]] int32_t slot_in_use(int64_t id) const;  // live or deferred-free, else -1
 
   // Intrusive lists.
   void list_push_back(List& l, int32_t slot);
@@ -181,6 +186,14 @@ class Scheduler {
   [[nodiscard]] bool passed_delay(double now);
   void schedule_prefills(Batch& b, double now);
   void schedule_decodes(Batch& b);
+  /// Tokens of the request's next decode row: K+1, fewer where a position would reach
+  /// position_limit_, 0 (no row) when none is left or its outputs in flight will end it.
+  [[nodiscard]] int32_t decode_row_tokens(const Request& r) const;
+  /// The token count at which a length rule (max_tokens, max_model_len, kv_capacity) ends it.
+  [[nodiscard]] int32_t final_length(const Request& r) const;
+  /// Victim choice: whether preempting every running request after `slot` would free `missing`
+  /// blocks (blocks shared with others stay).
+  [[nodiscard]] bool preemption_can_free(int32_t slot, int32_t missing);
   void preempt(int32_t slot);
   void reject(int32_t slot, std::string reason);  // finished as unschedulable, reported
   void take_device_slot(Request& r);
@@ -194,7 +207,7 @@ class Scheduler {
   // Batch assembly.
   void begin_batch(Batch& b, bool is_prefill);
   void add_prefill_row(Batch& b, int32_t slot, int32_t chunk);
-  void add_decode_row(Batch& b, int32_t slot);
+  void add_decode_row(Batch& b, int32_t slot, int32_t num_tokens);
   int32_t begin_row(Batch& b, Request& r, int32_t slot, int32_t num_tokens);
   void ship_new_blocks(Batch& b, int32_t row, Request& r);
   void fill_block_table_row(Batch& b, int32_t row, const Request& r, bool same_owner);
@@ -205,10 +218,16 @@ class Scheduler {
   void apply_row_output(const Batch& b, int32_t row, const ModelOutputs& out, int32_t width);
   /// The stop condition met by the request's last token, or kNone.
   [[nodiscard]] FinishReason stop_reason(const Request& r, int32_t& stop_token) const;
+  /// The length rules alone, in their order: max_tokens, max_model_len, kv_capacity.
+  [[nodiscard]] FinishReason length_stop(const Request& r) const;
 
   SchedulerConfig config_;
   int32_t k_;           // speculative tokens per decode row
   int32_t table_width_; // block-table columns
+  // Positions a row may use: below max_model_len and within the whole pool (num_blocks x
+  // block_size); a request whose next position would reach the pool's end finishes kv_capacity.
+  int32_t pool_positions_;
+  int32_t position_limit_;
   BlockPool pool_;
 
   std::vector<Request> requests_;  // slots; reused
@@ -239,6 +258,7 @@ class Scheduler {
   std::vector<std::string> connector_errors_;
   std::vector<int32_t> free_device_slots_;  // device state slots not held by an admission
   int32_t num_partial_ = 0;  // running requests whose prefill is not fully scheduled yet
+  std::vector<int32_t> victim_refs_;  // [num_blocks], 0 between calls: preemption_can_free()
   uint64_t next_epoch_ = 1;
 };
 

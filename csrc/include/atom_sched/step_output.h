@@ -17,6 +17,7 @@ enum class FinishReason : uint8_t {
   kMaxModelLen,   // "max_model_len"
   kAborted,       // "abort"
   kUnschedulable, // "unschedulable: <why>" (reported by take_rejected())
+  kKvCapacity,    // "kv_capacity": its next position would not fit in the whole KV pool
 };
 
 /// ATOM's leave_reason string ("eos", "stop_99", ...). `stop_token` is used by kStopToken.
