@@ -43,6 +43,14 @@ PyConnectorRequest copy_of(const ConnectorRequest& r) {
           std::move(reason)};
 }
 
+// "Type: message", first line only: reasons and connector errors reach clients, which must not
+// see the server's traceback or file paths.
+std::string one_line(const py::error_already_set& e) {
+  std::string msg = py::str(e.value()).cast<std::string>();
+  msg = msg.substr(0, msg.find('\n'));
+  return py::str(e.type().attr("__name__")).cast<std::string>() + (msg.empty() ? "" : ": " + msg);
+}
+
 // Forwards each call to the Python subclass. A Python exception becomes a std::runtime_error
 // carrying its message (built while the GIL is held), which the core turns into a rejected
 // request or a connector error.
@@ -87,7 +95,7 @@ class PyKvConnector : public KvConnector {
     try {
       return f(std::forward<Args>(args)...);
     } catch (py::error_already_set& e) {
-      throw std::runtime_error(e.what());
+      throw std::runtime_error(one_line(e));
     }
   }
 };
@@ -139,6 +147,28 @@ void bind_connector_types(py::module_& m) {
       "(num_tokens, load_async), update_state_after_alloc(request) and\n"
       "request_finished(request) -> bool (True keeps the blocks until finished_sending).")
       .def(py::init<>());
+}
+
+void connector_gc_support(PyHeapTypeObject* heap_type) {
+  PyTypeObject* type = &heap_type->ht_type;
+  type->tp_flags |= Py_TPFLAGS_HAVE_GC;
+  type->tp_traverse = [](PyObject* self, visitproc visit, void* arg) -> int {
+    Py_VISIT(Py_TYPE(self));
+    if (py::detail::is_holder_constructed(self)) {
+      auto& h = py::cast<SchedulerHandle&>(py::handle(self));
+      Py_VISIT(h.connector.ptr());
+    }
+    return 0;
+  };
+  // Only an unreachable Scheduler is cleared, so no other thread can be inside it.
+  type->tp_clear = [](PyObject* self) -> int {
+    if (py::detail::is_holder_constructed(self)) {
+      auto& h = py::cast<SchedulerHandle&>(py::handle(self));
+      h.core.set_kv_connector(nullptr);
+      h.connector = py::object();
+    }
+    return 0;
+  };
 }
 
 void bind_connector_methods(SchedulerClass& cls) {

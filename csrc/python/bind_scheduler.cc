@@ -437,7 +437,8 @@ void bind_scheduler(py::module_& m) {
       });
 
   bind_connector_types(m);
-  SchedulerClass cls(m, "Scheduler", "ATOM's scheduler and paged KV block manager in C++.");
+  SchedulerClass cls(m, "Scheduler", "ATOM's scheduler and paged KV block manager in C++.",
+                     py::custom_type_setup(connector_gc_support));
   bind_connector_methods(cls);
   cls
       .def(py::init([](SchedulerConfig config) {

@@ -4,11 +4,9 @@
 
 #include <pybind11/pybind11.h>
 
-#include <atomic>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
-#include <thread>
 
 #include "atom_sched/scheduler.h"
 
@@ -18,7 +16,6 @@ struct SchedulerHandle {
   explicit SchedulerHandle(SchedulerConfig config) : core(std::move(config)) {}
   Scheduler core;
   std::mutex mu;
-  std::atomic<std::thread::id> holder{};  // the thread inside with_core(), if any
   pybind11::object connector;  // the Python KVConnector the core calls back into, or None
 };
 using Handle = std::shared_ptr<SchedulerHandle>;
@@ -28,29 +25,36 @@ using SchedulerClass = pybind11::class_<SchedulerHandle, Handle>;
 void bind_connector_types(pybind11::module_& m);
 /// Adds the connector methods to the Scheduler class.
 void bind_connector_methods(SchedulerClass& cls);
+/// Makes the Scheduler's reference to its connector visible to the garbage collector, so that a
+/// connector holding its scheduler (a cycle, as the loopback connectors build through their
+/// engine) is collected (pybind11::custom_type_setup of the Scheduler class).
+void connector_gc_support(PyHeapTypeObject* heap_type);
 
 }  // namespace atom_sched
 
 namespace atom_sched {
 
+/// True on a thread while it is inside some scheduler's with_core(): Python runs there only in a
+/// KV connector callback.
+inline thread_local bool t_inside_a_scheduler = false;
+
 /// Runs f(core) with the scheduler's mutex held and the GIL released. Every call into the core
 /// goes through here: a call that needs the GIL back (a Python KV connector) while another thread
 /// holds the GIL and waits for the mutex would otherwise deadlock. `f` must not touch Python.
-/// A KV connector callback that calls back into its scheduler gets a RuntimeError (the mutex is
-/// not recursive: waiting on it would deadlock the thread).
+/// A KV connector callback that calls into any Scheduler, its own or another, gets a RuntimeError:
+/// waiting on its own mutex would deadlock the thread, and taking another scheduler's mutex while
+/// holding this one deadlocks against a thread whose callback does the reverse.
 template <typename F>
 auto with_core(SchedulerHandle& h, F&& f) {
-  if (h.holder.load() == std::this_thread::get_id())
-    throw std::runtime_error("a KV connector callback must not call back into its Scheduler");
+  if (t_inside_a_scheduler)
+    throw std::runtime_error(
+        "a KV connector callback must not call into a Scheduler (its own or another)");
   pybind11::gil_scoped_release release;
   std::lock_guard<std::mutex> lock(h.mu);
-  struct Holding {
-    SchedulerHandle& h;
-    explicit Holding(SchedulerHandle& handle) : h(handle) {
-      h.holder.store(std::this_thread::get_id());
-    }
-    ~Holding() { h.holder.store(std::thread::id{}); }
-  } holding(h);
+  struct Inside {
+    Inside() { t_inside_a_scheduler = true; }
+    ~Inside() { t_inside_a_scheduler = false; }
+  } inside;
   return f(h.core);
 }
 

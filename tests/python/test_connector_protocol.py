@@ -330,5 +330,5 @@ def test_a_connector_calling_back_into_its_scheduler_gets_an_error_not_a_deadloc
     s.add_request(0, [10, 11, 12], SamplingParams(max_tokens=2))
     assert s.schedule() is None
     (rejected,) = s.take_rejected()
-    assert "must not call back" in rejected.reason
+    assert "must not call into a Scheduler" in rejected.reason
     s.check_invariants()
