@@ -26,23 +26,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-import atom_sched
-
-# Until the full bindings are built, only block_hash exists: the scheduler suites skip themselves
-# (see require_scheduler) instead of breaking collection of the other suites.
-HAVE_SCHEDULER = all(
-    hasattr(atom_sched, n) for n in ("Scheduler", "SchedulerConfig", "SamplingParams")
-)
-if HAVE_SCHEDULER:
-    from atom_sched import SamplingParams, Scheduler, SchedulerConfig
-else:  # pragma: no cover
-    SamplingParams = Scheduler = SchedulerConfig = None  # type: ignore[assignment,misc]
-
-
-def require_scheduler() -> None:
-    """Module-level skip for suites that need the Scheduler bindings."""
-    if not HAVE_SCHEDULER:
-        pytest.skip("atom_sched.Scheduler is not in this build", allow_module_level=True)
+# A module missing these must fail every suite loudly, never skip it.
+from atom_sched import SamplingParams, Scheduler, SchedulerConfig
 
 MASK64 = (1 << 64) - 1
 
@@ -828,12 +813,9 @@ def prompt(n: int, start: int = 100) -> list[int]:
 
 __all__ = [
     "EOS",
-    "HAVE_SCHEDULER",
-    "require_scheduler",
     "BatchRecord",
     "Driver",
     "FakeModel",
-    "atom_sched",
     "cdiv",
     "drive",
     "event_kind",

@@ -14,14 +14,10 @@ from conftest import (
     make_config,
     make_driver,
     prompt,
-    require_scheduler,
     sp,
 )
 
 import atom_sched
-
-require_scheduler()
-
 from atom_sched import SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
 
 STATS_KEYS = {

@@ -12,13 +12,10 @@ from conftest import (
     make_driver,
     prompt,
     rejection_reason,
-    require_scheduler,
     sp,
 )
 
 import atom_sched
-
-require_scheduler()
 
 BS = 4
 

@@ -16,11 +16,8 @@ from conftest import (
     event_kind,
     make_driver,
     prompt,
-    require_scheduler,
     sp,
 )
-
-require_scheduler()
 
 import atom_sched  # noqa: E402
 
@@ -540,18 +537,6 @@ def test_8_18_8_19_per_row_arrays_aligned_with_rows(mode: str) -> None:
             if mode == "sync":
                 for i in range(len(rec.req_ids)):
                     assert list(rec.spec_draft_tokens[i]) == rec.row_tokens(i)[1:]
-
-
-# ---------------------------------------------------------------------------------------------
-# 8.26 (performance): not a behaviour test
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.skip(reason="8.26 is a performance fix (O(waiting) scan per admission): measured by "
-                  "the benchmarks, never by timed tests")
-def test_8_26_no_linear_scan_per_admission() -> None:
-    """8.26: ATOM's _passed_delay scans all of `waiting` on every Phase-2 iteration. This is a
-    cost, not a behaviour: the benchmarks measure it."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,12 +20,9 @@ from conftest import (
     make_config,
     make_driver,
     prompt,
-    require_scheduler,
     sp,
     state_snapshot,
 )
-
-require_scheduler()
 
 from atom_sched import SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
 
