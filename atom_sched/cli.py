@@ -37,10 +37,27 @@ def _progress(total: int) -> Any:
     return plain
 
 
+def _writable_dir(path: Path) -> str | None:
+    """Why `path` cannot take the benchmark's files, or None (it is made if missing)."""
+    import tempfile
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return f"--out {path}: {e.strerror or e}"
+    return None
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
     out = Path(args.out)
+    problem = _writable_dir(out)
+    if problem is not None:
+        print(f"atom-sched bench: {problem}", file=sys.stderr)
+        return 2
     cpp = None
     if not args.no_cpp:
         cpp = bench.find_cpp_bench(args.cpp_bench)
@@ -117,7 +134,7 @@ def _add_generate(sub: Any) -> None:
                     "streams the answers, then prints throughput and the scheduler's and "
                     "builder's share of the step time.")
     add_arguments(g)
-    g.set_defaults(func=_cmd_generate)
+    g.set_defaults(func=_cmd_generate, subparser=g)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,13 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-cpp", action="store_true", help="skip the C++ benchmark row")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument("--strict", action="store_true", help="exit 3 if any budget is over")
-    b.set_defaults(func=_cmd_bench)
+    b.set_defaults(func=_cmd_bench, subparser=b)
     _add_generate(sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:  # the subcommand's usage, not the top-level one (exits with status 2)
+        args.subparser.error("unrecognized arguments: " + " ".join(extra))
     return int(args.func(args) or 0)
 
 

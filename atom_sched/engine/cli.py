@@ -24,7 +24,8 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     s.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: all)")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
     s.add_argument("--seed", type=int, default=None,
-                   help="sampling seed (prompt i uses seed+i); same seed, same answer")
+                   help="sampling seed (prompt i uses seed+i); same seed, same answer. Without "
+                        "it a seed is drawn at random and printed")
     s.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
@@ -38,6 +39,9 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
                    help="token budget per step = prefill chunk size (default 256)")
     e.add_argument("--max-num-seqs", type=int, default=64,
                    help="requests running at once (default 64)")
+    e.add_argument("--max-model-len", type=int, default=8192,
+                   help="longest request, prompt + answer, in tokens (default 8192, the model's "
+                        "positions)")
     e.add_argument("--spec", type=int, default=0, metavar="K",
                    help="n-gram speculative decoding with K draft tokens (1..8; default off)")
     e.add_argument("--ngram", type=int, default=3, metavar="N",
@@ -110,17 +114,78 @@ class _Streamer:
             self._draw()
 
 
+# Where a scheduler message names a configuration field, generate's users need its flag.
+FLAG_OF_FIELD = {
+    "max_model_len": "--max-model-len", "num_blocks": "--kv-blocks",
+    "max_num_batched_tokens": "--chunk-size", "block_size": "--block-size",
+    "max_num_seqs": "--max-num-seqs", "num_speculative_tokens": "--spec",
+    "max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k",
+    "top_p": "--top-p", "seed": "--seed",
+}
+INT32_MAX = 2**31 - 1
+
+
+def in_flags(message: str) -> str:
+    """`message` with every configuration field name replaced by generate's flag for it."""
+    import re
+
+    return re.sub(r"\b(" + "|".join(FLAG_OF_FIELD) + r")\b",
+                  lambda m: FLAG_OF_FIELD[m.group(1)], message)
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """Everything about the arguments that can be checked before the model loads (seconds): the
+    one-line error, or None. The scheduler's own validation decides, so the rules live there."""
+    from .. import SamplingParams, SchedulerConfig
+
+    for p in args.prompts:
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError:
+            return "a prompt is not valid UTF-8 (check the terminal's encoding)"
+    if args.check and args.temperature > 0:
+        return "--check needs greedy decoding (--temperature 0)"
+    ints = {"--max-tokens": args.max_tokens, "--kv-blocks": args.kv_blocks,
+            "--block-size": args.block_size, "--chunk-size": args.chunk_size,
+            "--max-num-seqs": args.max_num_seqs, "--max-model-len": args.max_model_len,
+            "--spec": args.spec}
+    for flag, v in ints.items():
+        if not 0 <= v <= INT32_MAX:
+            return f"{flag} must be in 0..{INT32_MAX}, got {v}"
+    if args.threads is not None and args.threads < 1:
+        return "--threads must be >= 1"
+    if args.ngram < 1:
+        return "--ngram must be >= 1"
+    if args.seed is not None and not 0 <= args.seed <= INT32_MAX:
+        return f"--seed must be in 0..{INT32_MAX}, got {args.seed}"
+    try:
+        SchedulerConfig(num_blocks=args.kv_blocks, block_size=args.block_size,
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.chunk_size,
+                        max_model_len=args.max_model_len,
+                        num_speculative_tokens=args.spec).validate()
+        SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p)
+    except (TypeError, ValueError) as e:
+        return in_flags(str(e).splitlines()[0])
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     err = sys.stderr
-    prompts = args.prompts or [DEFAULT_PROMPT]
-    if args.max_tokens < 1 or args.kv_blocks < 1 or args.chunk_size < 1:
-        print("atom-sched generate: --max-tokens, --kv-blocks and --chunk-size must be >= 1",
+    args.prompts = args.prompts or [DEFAULT_PROMPT]
+    prompts = args.prompts
+    problem = check_args(args)
+    if problem is not None:
+        print(f"atom-sched generate: {problem}", file=err)
+        return 2
+    if args.seed is None and args.temperature > 0:
+        import secrets
+
+        args.seed = secrets.randbelow(INT32_MAX)
+        print(f"[atom_sched] sampling seed {args.seed} (pass --seed {args.seed} to repeat)",
               file=err)
-        return 2
-    if not 0 <= args.spec <= 8:
-        print("atom-sched generate: --spec must be in 0..8", file=err)
-        return 2
 
     t0 = time.perf_counter()
     try:
@@ -133,14 +198,24 @@ def run(args: argparse.Namespace) -> int:
     threads = set_threads(args.threads)
     cfg = EngineConfig(
         num_blocks=args.kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.chunk_size, max_model_len=2048,
+        max_num_batched_tokens=args.chunk_size, max_model_len=args.max_model_len,
         num_speculative_tokens=args.spec, one_step_ahead=args.one_step_ahead,
-        enable_prefix_caching=not args.no_prefix_caching, ngram_max=max(1, args.ngram),
+        enable_prefix_caching=not args.no_prefix_caching, ngram_max=args.ngram,
         seed=args.seed or 0)
     try:
         engine = LLMEngine(cfg, verbose=True)
     except ModelNotFoundError as e:
         print(f"atom-sched generate: {e}", file=err)
+        return 2
+    except (MemoryError, RuntimeError) as e:  # torch cannot allocate the KV pool
+        print(f"atom-sched generate: cannot allocate {args.kv_blocks} KV blocks of "
+              f"{args.block_size} tokens ({str(e).splitlines()[0]}); lower --kv-blocks",
+              file=err)
+        return 2
+    positions = engine.dims.max_position_embeddings
+    if args.max_model_len > positions:
+        print(f"atom-sched generate: --max-model-len {args.max_model_len} exceeds the model's "
+              f"{positions} positions", file=err)
         return 2
     load = time.perf_counter() - t0
     how = "converted the GGUF file and cached it" if engine.converted else "cached weights"
@@ -155,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         rids = [engine.add_request(p, sp, chat=not args.raw)
                 for p, sp in zip(prompts, params, strict=True)]
     except ValueError as e:
-        print(f"atom-sched generate: {e}", file=err)
+        print(f"atom-sched generate: {in_flags(str(e))}", file=err)
         return 2
     index = {rid: i for i, rid in enumerate(rids)}
     multi = len(prompts) > 1
@@ -168,6 +243,12 @@ def run(args: argparse.Namespace) -> int:
     if streamer is not None:
         streamer.end()
     comps = [engine.completion(r) for r in rids]
+    if not multi and not args.no_stream:
+        print(f"({comps[0].finish_reason}, {len(comps[0].token_ids)} tokens)", file=out)
+    rejected = [(i, c) for i, c in enumerate(comps)
+                if (c.finish_reason or "").startswith("rejected")]
+    for i, c in rejected:
+        print(f"atom-sched generate: prompt {i} {in_flags(c.finish_reason)}", file=err)
     if multi or args.no_stream:
         print("", file=out)
         for i, (p, c) in enumerate(zip(prompts, comps, strict=True)):
@@ -180,16 +261,13 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         ok = _check(engine, comps, args)
     _summary(engine, comps, elapsed, out)
-    return 0 if ok else 1
+    return 0 if ok and not rejected else 1
 
 
 def _check(engine, comps, args) -> bool:
     from .reference import check_greedy
     from .weights import load_hf_model
 
-    if args.temperature > 0:
-        print("--check needs greedy decoding (--temperature 0)", file=sys.stderr)
-        return False
     hf = load_hf_model(engine.model_path)
     ok = True
     for i, c in enumerate(comps):

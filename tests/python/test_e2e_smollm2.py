@@ -94,44 +94,61 @@ def _engine(smollm2, one_step_ahead=False, k=0, **over) -> LLMEngine:
     return LLMEngine(EngineConfig(**cfg), model_path=smollm2[0].path)
 
 
-_RUNS: dict[str, list[list[int]]] = {}
-MODES = [("sync", False, 0), ("async", True, 0), ("sync-spec2", False, 2),
-         ("async-spec3", True, 3)]
+MODES = {"sync": (False, 0), "async": (True, 0), "sync-spec2": (False, 2),
+         "async-spec3": (True, 3)}
 
 
-@pytest.mark.parametrize("name,one_step_ahead,k", MODES, ids=[m[0] for m in MODES])
-def test_greedy_equals_transformers_generate(smollm2, prompt_ids, reference, name,
-                                             one_step_ahead, k):
+@pytest.fixture(scope="session")
+def mode_run(smollm2, prompt_ids):
+    """One generate() run per mode, made on first use and shared by the tests that read it (so
+    no test depends on another having run first)."""
+    runs: dict[str, tuple[list, dict, int]] = {}
+
+    def get(name: str):
+        if name not in runs:
+            one_step_ahead, k = MODES[name]
+            eng = _engine(smollm2, one_step_ahead, k)
+            outs = eng.generate(prompt_ids[0], GenerationParams(max_tokens=MAX_NEW))
+            runs[name] = (outs, eng.stats(), eng.timings.partial_prefill_rows)
+        return runs[name]
+
+    return get
+
+
+def _ties(smollm2, prompt_ids, reference, name, outs) -> int:
     ids, eos = prompt_ids
-    eng = _engine(smollm2, one_step_ahead, k)
-    outs = eng.generate(ids, GenerationParams(max_tokens=MAX_NEW))
-    stats = eng.stats()
-    assert stats["num_preemptions"] > 0, "the 10-block pool should force preemption"
-    assert stats["prefix_hit_tokens"] > 0, "shared prefixes should hit the prefix cache"
-    assert eng.timings.partial_prefill_rows > 0, "a 32-token budget should chunk the prompts"
     ties = 0
     for prompt, out, ref in zip(ids, outs, reference, strict=True):
         res = check_greedy(smollm2[1], prompt, out.token_ids, MAX_NEW, eos, reference=ref)
         assert res.ok, f"{name}: {res.detail}"
         ties += len(res.ties)
     _TIES[name] = ties
-    _RUNS[name] = [o.token_ids for o in outs]
-    if k:
+    return ties
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_greedy_equals_transformers_generate(smollm2, prompt_ids, reference, mode_run, name):
+    outs, stats, partial_prefill_rows = mode_run(name)
+    assert stats["num_preemptions"] > 0, "the 10-block pool should force preemption"
+    assert stats["prefix_hit_tokens"] > 0, "shared prefixes should hit the prefix cache"
+    assert partial_prefill_rows > 0, "a 32-token budget should chunk the prompts"
+    _ties(smollm2, prompt_ids, reference, name, outs)
+    if MODES[name][1]:
         assert stats["num_accepted_draft_tokens"] > 0
         assert 0.0 < stats["acceptance_rate"] <= 1.0
     assert "Paris" in outs[0].text
 
 
-def test_modes_give_the_same_tokens(smollm2, prompt_ids, reference):
+def test_modes_give_the_same_tokens(smollm2, prompt_ids, reference, mode_run):
     """Synchronous, one step ahead and speculative runs stream the same tokens (where a run
-    differs, the greedy check above has already proven it a float-rounding tie)."""
-    missing = [m[0] for m in MODES if m[0] not in _RUNS]
-    if missing:
-        pytest.skip(f"runs {missing} did not complete")
-    base = _RUNS["sync"]
-    for name, toks in _RUNS.items():
-        if toks != base:
-            assert _TIES.get(name, 0) + _TIES.get("sync", 0) > 0, f"{name} differs from sync"
+    differs, the greedy check proves it a float-rounding tie)."""
+    base = [o.token_ids for o in mode_run("sync")[0]]
+    for name in MODES:
+        outs = mode_run(name)[0]
+        if [o.token_ids for o in outs] != base:
+            ties = _ties(smollm2, prompt_ids, reference, name, outs)
+            ties += _ties(smollm2, prompt_ids, reference, "sync", mode_run("sync")[0])
+            assert ties > 0, f"{name} differs from sync"
 
 
 def test_streaming_and_stop_strings(smollm2):

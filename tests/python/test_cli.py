@@ -1,0 +1,87 @@
+"""`atom-sched generate` and `atom-sched bench` at their boundary (issue 12 item 15): every bad
+argument is one line and exit status 2, refused before the model loads; a rejected prompt says
+why (naming real flags) and exits non-zero. Each case runs the real command in a new process."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CLI = [sys.executable, "-m", "atom_sched.cli"]
+
+
+def run_cli(*args: str | bytes, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([*CLI, *args], capture_output=True, timeout=timeout, env=env)
+
+
+BAD_GENERATE = [
+    (["--block-size", "0"], "--block-size"),
+    (["--block-size", "-4"], "--block-size"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--spec", "8", "--chunk-size", "4"], "--chunk-size"),
+    (["--spec", "3", "--chunk-size", "2"], "--chunk-size"),
+    (["--spec", "9"], "--spec"),
+    (["--max-tokens", "1099511627776"], "--max-tokens"),
+    (["--kv-blocks", "1099511627776"], "--kv-blocks"),
+    (["--max-model-len", "0"], "--max-model-len"),
+    (["--check", "--temperature", "0.5"], "--check"),
+    (["--top-p", "0"], "--top-p"),
+    (["--seed", "-3"], "--seed"),
+]
+
+
+@pytest.mark.parametrize("args, flag", BAD_GENERATE, ids=[" ".join(a) for a, _ in BAD_GENERATE])
+def test_bad_generate_arguments_are_one_line_and_status_2(args, flag):
+    r = run_cli("generate", *args, "Hi", timeout=60)
+    err = r.stderr.decode()
+    assert r.returncode == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0] and "Traceback" not in err, err
+    assert "loaded" not in err  # refused before the model loads
+    assert r.stdout == b""
+
+
+def test_non_utf8_prompt_is_refused():
+    r = run_cli("generate", b"\xff\xfe", timeout=60)
+    assert r.returncode == 2 and b"UTF-8" in r.stderr and b"Traceback" not in r.stderr
+
+
+def test_unknown_flag_shows_the_subcommands_usage():
+    r = run_cli("generate", "--bogus", timeout=60)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "usage: atom-sched generate" in err and "--bogus" in err
+
+
+@pytest.mark.parametrize("kind", ["missing parent", "a file"])
+def test_bench_out_must_be_a_writable_directory(tmp_path: Path, kind):
+    target = tmp_path / "f"
+    if kind == "a file":
+        target.write_text("x")
+    else:
+        target = Path("/proc/no/such/dir")
+    r = run_cli("bench", "--quick", "--no-cpp", "--out", str(target), timeout=60)
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "--out" in err[0], err
+
+
+def test_too_long_prompt_prints_the_reason_and_fails():
+    r = run_cli("generate", "--max-model-len", "24", "--raw", "word " * 40)
+    err = r.stderr.decode()
+    assert r.returncode == 1, err
+    assert "rejected" in err and "--max-model-len" in err and "Traceback" not in err, err
+    assert "gpu-memory-utilization" not in err
+
+
+def test_one_prompt_shows_its_finish_reason():
+    r = run_cli("generate", "--max-tokens", "3", "--ignore-eos", "Hi")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "(max_tokens, 3 tokens)" in r.stdout.decode()
+
+
+def test_sampling_without_seed_draws_and_prints_one():
+    r = run_cli("generate", "--max-tokens", "2", "--temperature", "0.8", "Hi")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "sampling seed" in r.stderr.decode()
