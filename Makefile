@@ -49,6 +49,7 @@ help:
 	@echo "make install       (re)build and install the package into $(VENV)"
 	@echo "make build-cuda    compile the CUDA back end (nvcc, sm_80+sm_90) into $(CUDA_DIR), import-check it"
 	@echo "make check-hip     hipcc compile checks (gfx90a, gfx940) and a HIP module build in $(HIP_DIR)"
+	@echo "make test-hip-cpu  the kernels on the CPU (HIP-CPU) against the references, warps 32 and 64"
 	@echo "make lint          ruff (Python) and the 100-column check (C++)"
 	@echo "make fuzz          libFuzzer (ASan+UBSan) on the scheduler for FUZZ_SECONDS (30)"
 	@echo "make gpu-check     on a machine with a GPU: scripts/gpu_check.sh (GPU tests + kernel timings)"
@@ -143,6 +144,22 @@ check-hip: $(HIP_DIR)/build.ninja
 	$(CMAKE) --build $(HIP_DIR) -j $(JOBS) --target _core
 	$(VPY) scripts/check_gpu_module.py $(HIP_DIR) hip
 
+# ---- HIP-CPU: the real kernels executed on the CPU (docs/device.md) -------------------------------
+# The .hip sources built by g++ against AMD's HIP CPU Runtime (../shared/third_party/hip-cpu, TBB),
+# then the parity driver (tests/cpp/test_device_parity.cc) against the CPU references, for warp
+# sizes 32 and 64.
+HIP_CPU_BUILD := build/hip_cpu
+.PHONY: test-hip-cpu
+$(HIP_CPU_BUILD)/build.ninja: Makefile
+	$(CMAKE) -S . -B $(HIP_CPU_BUILD) $(CMAKE_COMMON) -DCMAKE_BUILD_TYPE=Release \
+	  -DATOM_SCHED_GPU=HIP_CPU -DATOM_SCHED_BUILD_BENCHMARKS=OFF -DATOM_SCHED_SANITIZE=OFF
+
+test-hip-cpu: $(HIP_CPU_BUILD)/build.ninja
+	$(CMAKE) --build $(HIP_CPU_BUILD) -j $(JOBS) \
+	  --target atom_sched_device_parity_w32 atom_sched_device_parity_w64
+	$(CTEST) --test-dir $(HIP_CPU_BUILD) -R '^device_parity\.' --output-on-failure -j $(JOBS)
+# ---- end HIP-CPU ----------------------------------------------------------------------------------
+
 gpu-check:
 	bash scripts/gpu_check.sh
 
@@ -174,7 +191,7 @@ lint: venv
 test: deps
 	$(MAKE) test-all
 
-test-all: lint build-cuda check-hip fuzz test-cpp test-asan test-python
+test-all: lint build-cuda check-hip test-hip-cpu fuzz test-cpp test-asan test-python
 
 # The example engine (atom_sched/engine): SmolLM2-135M-Instruct on the CPU answers several prompts
 # served together (continuous batching; a 10-block KV pool and a 32-token budget, so chunked

@@ -138,12 +138,34 @@ __device__ __forceinline__ T atom_shfl(T v, int lane) {
 #define ATOM_SCHED_PLATFORM_HIP 1
 #define ATOM_SCHED_BACKEND_NAME "hip"
 
-// The wavefront size of the architecture being compiled (64 on gfx90a/gfx940). The host pass has
-// no target; it only needs a value for launch geometry, and every CDNA target is wave64.
-#if defined(__AMDGCN_WAVEFRONT_SIZE)
-#define ATOM_SCHED_WARP_SIZE __AMDGCN_WAVEFRONT_SIZE
-#else
+// The wavefront size of the target being compiled, from the architecture predicates (as ggml's
+// HIP header does): GFX9 (GCN5 and CDNA: gfx90a, gfx940, gfx942) and older are wave64, RDNA
+// (GFX10 and later) wave32. __AMDGCN_WAVEFRONT_SIZE is deprecated (ROCm 7) and no longer
+// predefined by recent clang; where it is, it must agree (RDNA built with -mwavefrontsize64 is
+// refused rather than scanned with the wrong lane count). The host pass has no target: device
+// code parsed there never runs, and the host-side warp_size() asks the device (runtime.hip).
+// (The host pass predefines __AMDGCN__ too: __HIP_DEVICE_COMPILE__ marks the device pass.)
+#if !defined(__HIP_DEVICE_COMPILE__)
 #define ATOM_SCHED_WARP_SIZE 64
+#elif defined(__GFX9__) || defined(__GFX8__) || defined(__GFX7__) || defined(__GFX6__)
+#define ATOM_SCHED_WARP_SIZE 64
+#else
+#define ATOM_SCHED_WARP_SIZE 32
+#endif
+#if defined(__HIP_DEVICE_COMPILE__) && defined(__AMDGCN_WAVEFRONT_SIZE)
+#if defined(__has_warning)
+#if __has_warning("-Wdeprecated-pragma")
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wdeprecated-pragma"
+#define ATOM_SCHED_POP_DIAGNOSTIC 1
+#endif
+#endif
+static_assert(ATOM_SCHED_WARP_SIZE == __AMDGCN_WAVEFRONT_SIZE,
+              "the architecture's wavefront size and the compiler's disagree (wave64 on RDNA?)");
+#if defined(ATOM_SCHED_POP_DIAGNOSTIC)
+#pragma clang diagnostic pop
+#undef ATOM_SCHED_POP_DIAGNOSTIC
+#endif
 #endif
 
 template <typename T>
