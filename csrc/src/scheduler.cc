@@ -507,9 +507,8 @@ int32_t Scheduler::final_length(const Request& r) const {
 int32_t Scheduler::decode_row_tokens(const Request& r) const {
   // Outputs in flight (each emits at least one token) that will end the request: a row now
   // would be discarded, and could preempt another request for nothing.
-  if (r.num_inflight > 0 && (r.pending_stop != FinishReason::kNone ||
-                             r.num_tokens() + r.num_inflight >= final_length(r)))
-    return 0;
+  if (r.pending_stop != FinishReason::kNone) return r.num_inflight > 0 ? 0 : 1;  // streams T0
+  if (r.num_inflight > 0 && r.num_tokens() + r.num_inflight >= final_length(r)) return 0;
   // Every position < max_model_len (a model's rotary table has that many rows) and inside the
   // pool: drafts past the limit are not scheduled (as vLLM). S is an upper bound one step ahead,
   // so the device's exact positions are below the limit too.
@@ -760,7 +759,12 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   // One step ahead they are still on the device. Drafts not scheduled read -1.
   int32_t* tokens = b.scheduled_tokens.data() + b.num_tokens;
   int32_t* drafts = b.spec_draft_tokens.data() + static_cast<size_t>(row) * k_;
-  tokens[0] = known ? r.last_token : -1;
+  // S == R - 1 when known, but for a remote request whose injected first token already ends it
+  // at the position limit: its one row re-forwards the last prompt token (start_remote_decode).
+  const int32_t first = r.num_computed_tokens == r.num_tokens() - 1
+                            ? r.last_token
+                            : r.tokens[r.num_computed_tokens];
+  tokens[0] = known ? first : -1;
   for (int32_t j = 0; j < n - 1; ++j) drafts[j] = tokens[j + 1] = known ? r.drafts[j] : -1;
   for (int32_t j = n - 1; j < k_; ++j) drafts[j] = -1;
   b.num_tokens += n;

@@ -123,6 +123,11 @@ void Scheduler::start_remote_decode(int32_t slot) {
                                                                    : r.tokens.back();
   // Without T0 the first decode re-forwards the last prompt token, whose KV already exists.
   r.num_computed_tokens = r.num_tokens() - 1;
+  // T0 already ends it and its position would reach the limit (a prompt of max_model_len tokens,
+  // or one filling the pool): the one row that streams T0 re-forwards the last prompt token
+  // instead, rewriting KV that exists (its output is ignored).
+  if (r.pending_stop != FinishReason::kNone && r.num_computed_tokens >= position_limit_)
+    r.num_computed_tokens = r.num_prompt_tokens - 1;
   r.prefill_target = r.num_computed_tokens;
   r.status = RequestStatus::kRunning;
   list_push_back(running_, slot);

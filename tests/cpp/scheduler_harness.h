@@ -270,6 +270,7 @@ class H {
       }
     }
     for (int64_t id : s.waiting_ids()) {
+      if (s.request(id).status == RequestStatus::kWaitingForRemoteKv) continue;  // holds its KV
       EXPECT_EQ(s.request(id).status, RequestStatus::kWaiting) << id;
       EXPECT_TRUE(s.request(id).block_table.empty()) << "waiting request " << id << " holds KV";
     }
@@ -357,7 +358,10 @@ class H {
         if (!in_flight_before) {
           // Synchronous row: input = [last token, drafts...], all exact.
           EXPECT_EQ(b.exact[i], 1) << "synchronous decode row must be exact";
-          EXPECT_EQ(b.ncached[i], r.num_tokens() - 1);
+          // (A remote request whose first token ends it at the position limit re-forwards its
+          // last prompt token instead.)
+          EXPECT_EQ(b.ncached[i], r.pending_stop == FinishReason::kNone ? r.num_tokens() - 1
+                                                                         : r.num_prompt_tokens - 1);
           if (k > 0 && static_cast<int32_t>(r.drafts.size()) == k) {
             // The row's drafts, then -1 for the drafts a capped row leaves out.
             V want(r.drafts.begin(), r.drafts.begin() + (b.nsched[i] - 1));

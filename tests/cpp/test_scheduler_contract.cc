@@ -454,5 +454,33 @@ TEST(SchedulerContractTest, NegativeRemoteMatchIdsAreAConnectorError) {
   }
 }
 
+// A remote prefill of a max_model_len-token prompt (or one filling the pool) whose first token
+// already ends the request: its one row (it streams T0) stays below the position limit.
+TEST(SchedulerContractTest, RemoteFirstTokenAtTheLimitStreamsWithoutPassingIt) {
+  for (bool pool : {false, true}) {
+    SCOPED_TRACE(pool ? "prompt fills the pool" : "prompt of max_model_len tokens");
+    SchedulerConfig c = Cfg(pool ? 2 : 8);
+    c.max_model_len = pool ? 64 : 8;
+    H h(c);
+    auto conn = std::make_shared<SendingConnector>();
+    conn->keep = false;
+    conn->match.load_async = true;
+    conn->match.first_token = 9;
+    h.s.set_kv_connector(conn);
+    h.add(0, Seq(1, 8), P());
+    EXPECT_FALSE(h.sched());
+    const V64 recv{0};
+    h.s.update_from_kv_xfer_finished({}, recv);
+    auto b = h.sched();
+    ASSERT_TRUE(b);
+    EXPECT_EQ(b->positions, V64{7});
+    EXPECT_EQ(b->tokens, V{8});
+    auto o = h.upd(*b, {50});
+    EXPECT_EQ(o.tokens(0), V{9});
+    EXPECT_EQ(o.why(0), pool ? "kv_capacity" : "max_model_len");
+    EXPECT_FALSE(h.s.has_unfinished_requests());
+  }
+}
+
 }  // namespace
 }  // namespace atom_sched

@@ -34,6 +34,7 @@ struct Pending {
   uint64_t id;
   int32_t rows;
   bool is_prefill;
+  std::vector<int32_t> widths;  // tokens per row: K+1, fewer near max_model_len
 };
 
 }  // namespace
@@ -79,7 +80,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         case 3:
         case 4: {
           const Batch* b = s.schedule(0.0, in.below(5) != 0);
-          if (b != nullptr) outstanding.push_back({b->id, b->num_rows, b->is_prefill});
+          if (b != nullptr)
+            outstanding.push_back({b->id, b->num_rows, b->is_prefill,
+                                   {b->num_scheduled_tokens.begin(),
+                                    b->num_scheduled_tokens.begin() + b->num_rows}});
           break;
         }
         case 5:
@@ -93,8 +97,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           for (auto& t : sampled) t = in.below(12) - (bad ? 1 : 0);
           accepted.assign(rows, 1);
           if (!p.is_prefill)
-            for (auto& a : accepted) a = 1 + in.below(k + 1 + (bad ? 1 : 0));
+            for (int32_t r = 0; r < rows; ++r)
+              accepted[r] = 1 + in.below((r < p.rows ? p.widths[r] : k + 1) + (bad ? 1 : 0));
           drafts.assign(static_cast<size_t>(rows) * k, 3);
+          if (bad && !drafts.empty()) drafts[in.below(static_cast<int32_t>(drafts.size()))] = -1;
           ModelOutputs out;
           out.sampled_token_ids = sampled;
           if (k > 0) out.num_accepted = accepted;
