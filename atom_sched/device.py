@@ -28,6 +28,7 @@ without it. The compiled module never links libtorch: it receives pointers and t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -188,6 +189,20 @@ class AcceptResult:
         }
 
 
+def _on_builder_device(method: Any) -> Any:
+    """Runs a builder method with the builder's GPU current, so that a builder on cuda:1 never
+    launches on (or allocates from) whichever device the caller has current."""
+
+    @functools.wraps(method)
+    def guarded(self: DeviceBatchBuilder, *args: Any, **kwargs: Any) -> Any:
+        if not self.on_device:
+            return method(self, *args, **kwargs)
+        with self._torch.cuda.device(self.device):
+            return method(self, *args, **kwargs)
+
+    return guarded
+
+
 class DeviceBatchBuilder:
     """Builds each batch's model inputs on ``device`` from persistent per-slot state.
 
@@ -232,7 +247,9 @@ class DeviceBatchBuilder:
         self.capture_sizes = sizes
         self.max_rows = max([self.num_slots, *sizes])
         self.max_tokens = max(int(config.max_num_batched_tokens), self.max_rows * (self.k + 1))
-        max_updates = min(int(config.num_blocks), self.max_rows * self.width)
+        # Worst case of one step: every row ships its whole table (an admitted row ships its
+        # prefix-hit blocks too, and many rows can share them), so no cap by the pool's size.
+        max_updates = self.max_rows * self.width
         self.plan_capacity = int(
             _core.device_plan_words(self.max_rows, max_updates, self.max_tokens)
         )
@@ -299,6 +316,7 @@ class DeviceBatchBuilder:
         self._step = 0
         self._accepts = 0
         self._last: tuple[int, int, int, int] | None = None  # batch id, plan ptr, rows, padded
+        self._accepted_id = -1  # the id of the batch last passed to accept()
         self._pending: AcceptResult | None = None
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -351,6 +369,18 @@ class DeviceBatchBuilder:
             self._views[(rows, tokens)] = v
         return v
 
+    def _check_batch(self, batch: Any) -> None:
+        """The batch must come from a scheduler with the builder's config."""
+        theirs = {"block_table_width": int(batch.block_table_width),
+                  "block_size": int(batch.block_size),
+                  "num_speculative_tokens": int(batch.num_speculative_tokens)}
+        ours = {"block_table_width": self.width, "block_size": self.block_size,
+                "num_speculative_tokens": self.k}
+        for name, v in theirs.items():
+            if v != ours[name]:
+                raise ValueError(f"batch.{name}={v}, the builder's is {ours[name]} (build the "
+                                 "builder from the scheduler's config)")
+
     def _rows_tensor(self, t: Any, n: int, cols: int, dtype: Any, what: str) -> Any:
         """`t` as a C-contiguous [>= n, cols] tensor of `dtype` on the builder's device."""
         torch = self._torch
@@ -365,10 +395,17 @@ class DeviceBatchBuilder:
         if t.dtype != dtype:
             if dtype == torch.int32 and t.dtype.is_floating_point:
                 raise TypeError(f"{what} must be an integer tensor, got {t.dtype}")
+            if dtype == torch.int32 and t.numel():
+                # A narrowing copy would wrap (2**32 + 5 -> 5): refuse values outside int32.
+                lo, hi = int(t[:n].min()), int(t[:n].max())
+                for v in (lo, hi):
+                    if not -(2**31) <= v < 2**31:
+                        raise ValueError(f"{what} holds {v}, outside int32")
             t = t.to(dtype)
         return t.contiguous()
 
     # -- prepare ---------------------------------------------------------------------------------
+    @_on_builder_device
     def prepare(
         self,
         batch: Any,
@@ -377,10 +414,16 @@ class DeviceBatchBuilder:
         num_tokens_padded: int | None = None,
     ) -> DeviceInputs:
         """Uploads the plan of ``batch`` and builds its inputs on the device (two launches)."""
-        if int(batch.block_table_width) != self.width:
+        self._check_batch(batch)
+        if self._pending is not None:
+            raise RuntimeError(
+                f"accept() of batch {self._pending.batch_id} still waits for store_drafts(): "
+                "the next prepare() would overwrite the plan it reads"
+            )
+        if self._last is not None and int(batch.id) <= self._last[0]:
             raise ValueError(
-                f"batch.block_table_width={batch.block_table_width}, the builder's is {self.width}"
-                " (build it from the scheduler's config)"
+                f"batch {int(batch.id)} was already prepared (the last prepared batch is "
+                f"{self._last[0]}): preparing it again would advance its slots twice"
             )
         n = int(batch.num_rows)
         if n > self.max_rows:
@@ -451,6 +494,7 @@ class DeviceBatchBuilder:
         g.replay()
 
     # -- accept ----------------------------------------------------------------------------------
+    @_on_builder_device
     def accept(
         self,
         batch: Any,
@@ -479,6 +523,11 @@ class DeviceBatchBuilder:
             )
         if self._pending is not None:
             raise RuntimeError("the previous accept() still waits for store_drafts()")
+        if self._accepted_id == int(batch.id):
+            raise ValueError(
+                f"batch {int(batch.id)} was already accepted: accepting it again would advance "
+                "its slots twice"
+            )
         torch = self._torch
         _, plan, n, rows = self._last
         k = self.k
@@ -518,6 +567,7 @@ class DeviceBatchBuilder:
             self._stream(),
             self.on_device,
         )
+        self._accepted_id = int(batch.id)
         pending = k > 0 and drafts is None
         result = AcceptResult(int(batch.id), n, k, self._result_np[buf], res, None, pending, buf)
         if pending:
@@ -526,6 +576,7 @@ class DeviceBatchBuilder:
             self._copy_result(result)
         return result
 
+    @_on_builder_device
     def store_drafts(self, result: AcceptResult, next_draft_token_ids: Any) -> AcceptResult:
         """Completes ``result`` (from ``accept`` without drafts) with the drafter's proposals
         [rows, K] and starts its copy to host memory."""

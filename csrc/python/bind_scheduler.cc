@@ -375,6 +375,10 @@ void bind_scheduler(py::module_& m) {
         v.get();
         return v.owner->core.config().block_size;  // fixed at construction: no lock needed
       })
+      .def_property_readonly("num_speculative_tokens", [](const BatchView& v) {
+        v.get();
+        return v.owner->core.config().num_speculative_tokens;  // the scheduler's K (fixed)
+      })
       .def_property_readonly("req_ids", row_array(&Batch::req_ids))
       .def_property_readonly("request_slots", row_array(&Batch::request_slots))
       .def_property_readonly("num_scheduled_tokens", row_array(&Batch::num_scheduled_tokens))
