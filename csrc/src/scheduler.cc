@@ -505,9 +505,12 @@ int32_t Scheduler::final_length(const Request& r) const {
 }
 
 int32_t Scheduler::decode_row_tokens(const Request& r) const {
+  // A remote request whose injected first token already ends it: one row streams that token.
+  // (num_unstreamed, a hot field, guards the read of the cold pending_stop.)
+  if (r.num_unstreamed > 0 && r.pending_stop != FinishReason::kNone)
+    return r.num_inflight > 0 ? 0 : 1;
   // Outputs in flight (each emits at least one token) that will end the request: a row now
   // would be discarded, and could preempt another request for nothing.
-  if (r.pending_stop != FinishReason::kNone) return r.num_inflight > 0 ? 0 : 1;  // streams T0
   if (r.num_inflight > 0 && r.num_tokens() + r.num_inflight >= final_length(r)) return 0;
   // Every position < max_model_len (a model's rotary table has that many rows) and inside the
   // pool: drafts past the limit are not scheduled (as vLLM). S is an upper bound one step ahead,
