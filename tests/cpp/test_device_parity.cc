@@ -130,7 +130,8 @@ bool same(const char* name, const Buf<T>& kernel, const Buf<T>& ref, size_t used
       std::snprintf(m, sizeof(m), "%s[%zu] (capacity %zu, used %zu): kernel %lld, reference %lld",
                     name, i, kernel.capacity, used, static_cast<long long>(kernel.v[i]),
                     static_cast<long long>(ref.v[i]));
-      f = {true, m};
+      f.failed = true;
+      f.what += std::string(f.what.empty() ? "" : "; ") + m;
       return false;
     }
   }
@@ -140,7 +141,8 @@ bool same(const char* name, const Buf<T>& kernel, const Buf<T>& ref, size_t used
         char m[256];
         std::snprintf(m, sizeof(m), "%s[%zu]: written past the padded size %zu (both worlds: %lld)",
                       name, i, used, static_cast<long long>(kernel.v[i]));
-        f = {true, m};
+        f.failed = true;
+        f.what += std::string(f.what.empty() ? "" : "; ") + m;
         return false;
       }
     }
@@ -148,27 +150,28 @@ bool same(const char* name, const Buf<T>& kernel, const Buf<T>& ref, size_t used
   return true;
 }
 
-/// Compares the state buffers whole (their canary tails must still hold kStateSentinel).
+/// Compares the state buffers whole (their canary tails must still hold kStateSentinel). Every
+/// buffer is compared (`&`, not `&&`), so a failure names each buffer that differs.
 bool same_state(const World& a, const World& b, Failure& f) {
-  return same("block_table", a.table, b.table, a.table.capacity, kStateSentinel, true, f) &&
-         same("computed", a.computed, b.computed, a.computed.capacity, kStateSentinel, true, f) &&
-         same("last_token", a.last, b.last, a.last.capacity, kStateSentinel, true, f) &&
-         same("drafts", a.drafts, b.drafts, a.drafts.capacity, kStateSentinel, true, f) &&
+  return same("block_table", a.table, b.table, a.table.capacity, kStateSentinel, true, f) &
+         same("computed", a.computed, b.computed, a.computed.capacity, kStateSentinel, true, f) &
+         same("last_token", a.last, b.last, a.last.capacity, kStateSentinel, true, f) &
+         same("drafts", a.drafts, b.drafts, a.drafts.capacity, kStateSentinel, true, f) &
          same("errors", a.errors, b.errors, 1, kStateSentinel, true, f);
 }
 
 bool same_outputs(const World& a, const World& b, int32_t prow, int32_t ptok, int32_t k,
                   int32_t s, Failure& f) {
   const size_t R = prow, T = ptok, W = a.state.width;
-  return same("input_ids", a.input_ids, b.input_ids, T, s, true, f) &&
-         same<int64_t>("positions", a.positions, b.positions, T, s, true, f) &&
-         same<int64_t>("slot_mapping", a.slot_mapping, b.slot_mapping, T, s, true, f) &&
-         same("seq_lens", a.seq_lens, b.seq_lens, R, s, true, f) &&
-         same("query_start_loc", a.qsl, b.qsl, R + 1, s, true, f) &&
-         same("cu_seqlens_k", a.cu_k, b.cu_k, R + 1, s, true, f) &&
-         same("block_table(out)", a.out_table, b.out_table, R * W, s, true, f) &&
-         same("logits_indices", a.logits, b.logits, R, s, true, f) &&
-         same("spec_logits_indices", a.spec, b.spec, R * (k + 1), s, true, f) &&
+  return same("input_ids", a.input_ids, b.input_ids, T, s, true, f) &
+         same<int64_t>("positions", a.positions, b.positions, T, s, true, f) &
+         same<int64_t>("slot_mapping", a.slot_mapping, b.slot_mapping, T, s, true, f) &
+         same("seq_lens", a.seq_lens, b.seq_lens, R, s, true, f) &
+         same("query_start_loc", a.qsl, b.qsl, R + 1, s, true, f) &
+         same("cu_seqlens_k", a.cu_k, b.cu_k, R + 1, s, true, f) &
+         same("block_table(out)", a.out_table, b.out_table, R * W, s, true, f) &
+         same("logits_indices", a.logits, b.logits, R, s, true, f) &
+         same("spec_logits_indices", a.spec, b.spec, R * (k + 1), s, true, f) &
          same("meta", a.meta, b.meta, kMetaWords, s, true, f);
 }
 
@@ -399,9 +402,11 @@ class Driver {
       f = {true, std::string(phase) + ": hipDeviceSynchronize failed"};
       return false;
     }
-    if (!same_state(*kernel_, *ref_, f) ||
-        (outputs && !same_outputs(*kernel_, *ref_, prow, ptok, c_.k, sentinel, f))) {
-      f.what = std::string(phase) + ": " + f.what;
+    const bool state_ok = same_state(*kernel_, *ref_, f);
+    const bool outputs_ok = !outputs || same_outputs(*kernel_, *ref_, prow, ptok, c_.k, sentinel, f);
+    if (!state_ok || !outputs_ok) {
+      f.what = std::string(phase) + " (padded rows " + std::to_string(prow) + ", tokens " +
+               std::to_string(ptok) + "): " + f.what;
       return false;
     }
     return true;
