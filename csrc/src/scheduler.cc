@@ -764,10 +764,12 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   int32_t* drafts = b.spec_draft_tokens.data() + static_cast<size_t>(row) * k_;
   // S == R - 1 when known, but for a remote request whose injected first token already ends it
   // at the position limit: its one row re-forwards the last prompt token (start_remote_decode).
-  const int32_t first = r.num_computed_tokens == r.num_tokens() - 1
-                            ? r.last_token
-                            : r.tokens[r.num_computed_tokens];
-  tokens[0] = known ? first : -1;
+  if (!known)
+    tokens[0] = -1;
+  else if (r.num_computed_tokens == r.num_tokens() - 1)
+    tokens[0] = r.last_token;
+  else
+    tokens[0] = r.tokens[r.num_computed_tokens];
   for (int32_t j = 0; j < n - 1; ++j) drafts[j] = tokens[j + 1] = known ? r.drafts[j] : -1;
   for (int32_t j = n - 1; j < k_; ++j) drafts[j] = -1;
   b.num_tokens += n;
