@@ -11,6 +11,9 @@ _FloatArray = Sequence[float] | npt.NDArray[np.floating]
 
 class InvariantError(RuntimeError): ...
 
+DEVICE_RESULT_HEADER_WORDS: int
+DEVICE_ERROR_BITS: dict[int, str]
+
 def block_hash(token_ids: Sequence[int], parent: int | None = None) -> int: ...
 
 class SchedulerConfig:

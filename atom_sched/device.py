@@ -41,16 +41,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["AcceptResult", "DeviceBatchBuilder", "DeviceInputs"]
 
-RESULT_HEADER_WORDS = 4
-# Error bits of the device state (hip/atom_sched_kernels.h).
-ERROR_NAMES = {
-    1: "bad plan (magic, row count or token count)",
-    2: "a row's slot is out of range",
-    4: "a new block's slot or table index is out of range",
-    8: "a position is past the block table",
-    16: "a decode row has more than K+1 tokens",
-    32: "a prefill row's tokens are outside the upload",
-}
+RESULT_HEADER_WORDS = int(_core.DEVICE_RESULT_HEADER_WORDS)
+# Error bits of the device state -> what they mean (hip/atom_sched_kernels.h).
+ERROR_NAMES: dict[int, str] = dict(_core.DEVICE_ERROR_BITS)
 
 
 def _torch() -> Any:

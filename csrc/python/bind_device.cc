@@ -153,6 +153,17 @@ void def_ptr(Cls& cls, const char* name, T* C::*field) {
 void bind_device(py::module_& m) {
   py::register_exception<DeviceFailure>(m, "DeviceError", PyExc_RuntimeError);
 
+  // The device layout the Python builder reads, from the kernels' own header (one place).
+  m.attr("DEVICE_RESULT_HEADER_WORDS") = dev::kResultHeaderWords;
+  py::dict error_bits;
+  error_bits[py::int_(dev::kErrPlan)] = "bad plan (magic, row count or token count)";
+  error_bits[py::int_(dev::kErrSlot)] = "a row's slot is out of range";
+  error_bits[py::int_(dev::kErrBlockUpdate)] = "a new block's slot or table index is out of range";
+  error_bits[py::int_(dev::kErrPosition)] = "a position is past the block table";
+  error_bits[py::int_(dev::kErrDecodeWidth)] = "a decode row has more than K+1 tokens";
+  error_bits[py::int_(dev::kErrHostToken)] = "a prefill row's tokens are outside the upload";
+  m.attr("DEVICE_ERROR_BITS") = error_bits;
+
   m.def("device_backend", [] { return std::string(dev::backend_name()); },
         "This build's GPU back end: 'cuda', 'hip' or 'none'.");
   m.def("device_count", &dev::device_count,

@@ -678,14 +678,17 @@ def test_reused_id_does_not_receive_the_old_requests_in_flight_output() -> None:
     """One step ahead: request 0 finishes in batch 1 while batch 2 (holding it) is in flight; the
     id is reused at once. Batch 2's row belongs to the old request and must be discarded, not
     applied to the new one."""
-    d = make_driver("async", num_blocks=16, block_size=4)
-    d.add(0, prompt(4), sp(max_tokens=1))
+    # EOS as the first token: nothing on the host predicts it, so batch 2 holds request 0 (a
+    # request that reaches max_tokens by a token in flight gets no such row at all).
+    d = make_driver("async", FakeModel(overrides={(0, 0): EOS}), num_blocks=16, block_size=4,
+                    eos_token_id=EOS)
+    d.add(0, prompt(4), sp(max_tokens=5))
     d.schedule()
     b2 = d.schedule()
     assert b2 is not None and b2.req_ids == [0]
     d.update()
-    assert d.reasons == {0: "max_tokens"}
-    d.add(0, prompt(6, 300), sp(max_tokens=3))
+    assert d.reasons == {0: "eos"}
+    d.add(0, prompt(6, 300), sp(max_tokens=3, ignore_eos=True))  # same (rid, g): EOS first
     so = d.update()  # batch 2
     assert len(so) == 0
     d.run()
