@@ -302,18 +302,18 @@ std::optional<std::string> Scheduler::unschedulable_reason(const Request& r) con
   if (n > config_.max_model_len)
     return "input tokens=" + std::to_string(n) + " > max_model_len=" +
            std::to_string(config_.max_model_len) +
-           ". Increase --max-model-len or shorten the prompt.";
+           ". Increase max_model_len or shorten the prompt.";
   // ATOM checked num_tokens here, so a preempted request that had grown past the budget was
   // rejected on readmission (8.9); a preempted request is re-prefilled in chunks instead.
   if (!config_.enable_chunked_prefill && r.num_prompt_tokens > config_.max_num_batched_tokens)
     return "input tokens=" + std::to_string(r.num_prompt_tokens) + " > max_num_batched_tokens=" +
            std::to_string(config_.max_num_batched_tokens) +
-           ". Increase --max-num-batched-tokens, enable chunked prefill, or shorten the prompt.";
+           ". Increase max_num_batched_tokens, enable chunked prefill, or shorten the prompt.";
   const int32_t blocks = ceil_div(n, config_.block_size);
   if (blocks > pool_.num_blocks())
     return "needs " + std::to_string(blocks) + " KV blocks for " + std::to_string(n) +
-           " input tokens > total pool blocks=" + std::to_string(pool_.num_blocks()) +
-           ". Reduce prompt length or raise --gpu-memory-utilization.";
+           " input tokens > num_blocks=" + std::to_string(pool_.num_blocks()) +
+           ". Shorten the prompt or increase num_blocks.";
   return std::nullopt;
 }
 
@@ -615,6 +615,7 @@ const Batch* Scheduler::schedule(double now, bool allow_prefill) {
   // this call returns a batch: keep its header if this call returns none.
   Batch& b = batches_[next_buffer_];
   const Batch::Header kept = b.header();
+  b.id = 0;  // while it is rebuilt, views of the batch it held raise (a connector may read one)
   begin_batch(b, /*is_prefill=*/true);
   if (allow_prefill) schedule_prefills(b, now);
   if (b.num_rows == 0) {

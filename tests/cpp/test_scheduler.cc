@@ -433,7 +433,7 @@ TEST(SchedulerTest, RejectionReasonsAreAtomsExactText) {
     ASSERT_EQ(rej.size(), 1u);
     EXPECT_EQ(rej[0].req_id, 1);
     EXPECT_EQ(rej[0].reason,
-              "unschedulable: input tokens=17 > max_model_len=16. Increase --max-model-len or "
+              "unschedulable: input tokens=17 > max_model_len=16. Increase max_model_len or "
               "shorten the prompt.");
     EXPECT_FALSE(h.s.contains(1));
     EXPECT_TRUE(h.s.take_rejected().empty());
@@ -451,7 +451,7 @@ TEST(SchedulerTest, RejectionReasonsAreAtomsExactText) {
     EXPECT_EQ(rej[0].req_id, 1);
     EXPECT_EQ(rej[0].reason,
               "unschedulable: input tokens=9 > max_num_batched_tokens=8. Increase "
-              "--max-num-batched-tokens, enable chunked prefill, or shorten the prompt.");
+              "max_num_batched_tokens, enable chunked prefill, or shorten the prompt.");
     EXPECT_FALSE(h.s.has_unfinished_requests());
   }
   {
@@ -466,8 +466,8 @@ TEST(SchedulerTest, RejectionReasonsAreAtomsExactText) {
     const auto rej = h.s.take_rejected();
     ASSERT_EQ(rej.size(), 1u);
     EXPECT_EQ(rej[0].reason,
-              "unschedulable: needs 5 KV blocks for 17 input tokens > total pool blocks=4. Reduce "
-              "prompt length or raise --gpu-memory-utilization.");
+              "unschedulable: needs 5 KV blocks for 17 input tokens > num_blocks=4. Shorten "
+              "the prompt or increase num_blocks.");
   }
   {
     // max_model_len is checked first.

@@ -326,19 +326,19 @@ def rejection_reason(n: int, cfg: SchedulerConfig) -> str | None:
     if n > cfg.max_model_len:
         return (
             f"unschedulable: input tokens={n} > max_model_len={cfg.max_model_len}. "
-            "Increase --max-model-len or shorten the prompt."
+            "Increase max_model_len or shorten the prompt."
         )
     if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
         return (
             f"unschedulable: input tokens={n} > max_num_batched_tokens="
-            f"{cfg.max_num_batched_tokens}. Increase --max-num-batched-tokens, enable chunked "
+            f"{cfg.max_num_batched_tokens}. Increase max_num_batched_tokens, enable chunked "
             "prefill, or shorten the prompt."
         )
     nb = cdiv(n, cfg.block_size)
     if nb > cfg.num_blocks:
         return (
-            f"unschedulable: needs {nb} KV blocks for {n} input tokens > total pool "
-            f"blocks={cfg.num_blocks}. Reduce prompt length or raise --gpu-memory-utilization."
+            f"unschedulable: needs {nb} KV blocks for {n} input tokens > "
+            f"num_blocks={cfg.num_blocks}. Shorten the prompt or increase num_blocks."
         )
     return None
 

@@ -381,10 +381,10 @@ def test_rejection_reasons_exact_text() -> None:
     # Rejections "continue": the request behind them is admitted in the same step.
     assert rec is not None and rec.req_ids == [2]
     assert d.rejected == {
-        0: "unschedulable: input tokens=17 > max_model_len=16. Increase --max-model-len or "
+        0: "unschedulable: input tokens=17 > max_model_len=16. Increase max_model_len or "
         "shorten the prompt.",
         1: "unschedulable: input tokens=13 > max_num_batched_tokens=12. Increase "
-        "--max-num-batched-tokens, enable chunked prefill, or shorten the prompt.",
+        "max_num_batched_tokens, enable chunked prefill, or shorten the prompt.",
     }
     assert d.sched.take_rejected() == []
     st = d.sched.stats()
@@ -401,8 +401,8 @@ def test_rejection_pool_too_small_exact_text() -> None:
     d.add(1, prompt(8), sp(max_tokens=1))
     d.run()
     assert d.rejected == {
-        0: "unschedulable: needs 3 KV blocks for 9 input tokens > total pool blocks=2. Reduce "
-        "prompt length or raise --gpu-memory-utilization."
+        0: "unschedulable: needs 3 KV blocks for 9 input tokens > num_blocks=2. Shorten "
+        "the prompt or increase num_blocks."
     }
     assert d.reasons == {1: "max_tokens"}
 

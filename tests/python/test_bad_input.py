@@ -237,7 +237,7 @@ def test_prompt_longer_than_max_model_len_is_rejected_not_raised() -> None:
     assert d.sched.num_waiting == 4
     d.run()
     assert d.rejected == {
-        60: "unschedulable: input tokens=65 > max_model_len=64. Increase --max-model-len or "
+        60: "unschedulable: input tokens=65 > max_model_len=64. Increase max_model_len or "
         "shorten the prompt."
     }
     assert 60 not in d.tokens or d.tokens[60] == []

@@ -123,3 +123,47 @@ def test_callbacks_calling_another_scheduler_cannot_deadlock():
     assert "must not call into a Scheduler" in c1.errors[0]
     s1.check_invariants()
     s2.check_invariants()
+
+
+def test_stale_batch_read_from_a_callback_raises_instead_of_showing_the_new_one():
+    # Item 11: schedule() rebuilds the buffer of the batch before the outstanding one; a
+    # connector callback that reads that old batch meanwhile must get an error, not the rows
+    # of the half-built new batch.
+    seen = []
+
+    class Reader(Holder):
+        def __init__(self):
+            super().__init__(None)
+            self.old = None
+
+        def get_num_new_matched_tokens(self, request):
+            if self.old is not None:
+                try:
+                    seen.append(list(self.old.req_ids))
+                except RuntimeError as e:
+                    seen.append(str(e))
+            return RemoteMatch()
+
+    s = make()
+    c = Reader()
+    s.set_kv_connector(c)
+    s.add_request(0, [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    b1 = s.schedule()
+    s.update(b1, [7])
+    b2 = s.schedule()  # the other buffer
+    s.update(b2, [8])
+    c.old = b1  # stale from now on: the next schedule() rebuilds its buffer
+    s.add_request(1, [4, 5, 6], SamplingParams(max_tokens=2))
+    b3 = s.schedule()
+    assert b3 is not None and list(b3.req_ids) == [1]
+    assert seen and "no longer valid" in seen[0], seen
+    assert list(b3.req_ids) == [1]
+
+
+def test_a_batch_stays_readable_when_schedule_returns_none():
+    s = make()
+    s.add_request(0, [1, 2, 3], SamplingParams(max_tokens=1))
+    b1 = s.schedule()
+    s.update(b1, [7])
+    assert s.schedule() is None
+    assert list(b1.req_ids) == [0]
