@@ -473,5 +473,36 @@ inline void ExpectSame(const State& a, const State& b, const char* what) {
   EXPECT_EQ(a.computed, b.computed);
 }
 
+// A scenario several suites continue from.
+// Three requests of 7 tokens fill a 6-block pool (bs 4):
+//   A = [100..107) {0,1}   B = [200..207) {2,3}   C = [300..307) {4,5}   free {}
+//   step 1: prefill A, B, C            -> A 110, B 210, C 310
+//   step 2: decode pos 7 (no growth)   -> A 111, B 211, C 311     (returned)
+inline Snap ThreeFillThePool(H& h, int32_t a_max_tokens) {
+  SamplingParams pa = P(a_max_tokens);
+  pa.temperature = 0.5f;
+  pa.top_k = 5;
+  pa.top_p = 0.9f;
+  SamplingParams pc = P();
+  pc.temperature = 0.0f;
+  h.add(1, Seq(100, 7), pa);
+  h.add(2, Seq(200, 7));
+  h.add(3, Seq(300, 7), pc);
+  auto s1 = h.sched();
+  if (!s1 || s1->num_rows != 3) {
+    ADD_FAILURE() << "step 1 should prefill 3 rows";
+    return Snap();
+  }
+  h.upd(*s1, {110, 210, 310});
+  EXPECT_EQ(h.s.block_pool().num_free_blocks(), 0);
+  auto s2 = h.sched();
+  if (!s2 || s2->num_rows != 3) {
+    ADD_FAILURE() << "step 2 should decode 3 rows";
+    return Snap();
+  }
+  h.upd(*s2, {111, 211, 311});
+  return *s2;
+}
+
 }  // namespace
 }  // namespace atom_sched

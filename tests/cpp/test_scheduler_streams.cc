@@ -1,0 +1,262 @@
+// Scheduler scenarios: Whole request streams: sync and one step ahead agree; random streams.
+//
+// Every schedule() and update() goes through the harness H, which runs check_invariants() after
+// each call and checks every batch against the request table (cu_seqlens, positions, slot
+// mapping = block * block_size + offset, block-table rows padded with 0, emits_token, input
+// tokens, sampling columns). Notation in the timelines: "A[0..7)" = A's tokens 0..6, "pos 7" = the
+// KV position written, "{0,1}" = a block table, "free {5,4}" = the free list, head first.
+#include "atom_sched/scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <optional>
+#include <random>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "atom_sched/batch.h"
+#include "atom_sched/config.h"
+#include "atom_sched/errors.h"
+#include "atom_sched/kv_events.h"
+#include "atom_sched/request.h"
+#include "atom_sched/step_output.h"
+#include "atom_sched/xxhash64.h"
+#include "scheduler_harness.h"
+#include "test_tokens.h"
+
+namespace atom_sched {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Synchronous and one-step-ahead runs stream the same tokens (DESIGN.md section 4)
+// ---------------------------------------------------------------------------------------------
+
+struct RunResult {
+  std::map<int64_t, V> tokens;
+  std::map<int64_t, std::string> why;
+  int64_t preemptions = 0;
+};
+
+// The "model": request id's n-th output token. EOS (2) for some requests.
+int32_t ModelToken(int64_t id, int32_t n) {
+  if (id % 3 == 0 && n == 4 + id % 5) return 2;
+  return 10 + static_cast<int32_t>((id * 37 + n * 11) % 97);
+}
+
+RunResult RunWorkload(bool one_step_ahead, bool chunked, bool check_plan = false) {
+  SchedulerConfig c = Cfg(14);
+  // Without chunking the budget must hold a preempted request's whole re-prefill.
+  c.max_num_batched_tokens = chunked ? 16 : 64;
+  c.max_num_seqs = 5;
+  c.eos_token_id = 2;
+  c.enable_chunked_prefill = chunked;
+  H h(c);
+  h.check_device_plan = check_plan;
+  for (int64_t id = 0; id < 10; ++id) {
+    V prompt = Seq(static_cast<int32_t>(1000 * (id % 2)), 3 + static_cast<int32_t>(id % 9));
+    prompt.push_back(static_cast<int32_t>(id));
+    h.add(id, prompt, P(3 + static_cast<int32_t>(id % 7)));
+  }
+  RunResult res;
+  std::map<int64_t, int32_t> received;
+  std::deque<Snap> q;
+  auto apply = [&](const Snap& b) {
+    V sampled;
+    for (int64_t id : b.req_ids) sampled.push_back(ModelToken(id, received[id]));
+    const Outs o = h.upd(b, sampled);
+    for (int64_t id : o.order) {
+      const ROut& r = o.by_id.at(id);
+      received[id] += static_cast<int32_t>(r.tokens.size());
+      V& all = res.tokens[id];
+      all.insert(all.end(), r.tokens.begin(), r.tokens.end());
+      if (r.reason != FinishReason::kNone) {
+        EXPECT_EQ(res.why.count(id), 0u) << "request " << id << " finished twice";
+        res.why[id] = r.why;
+      }
+    }
+  };
+  for (int guard = 0; guard < 2000; ++guard) {
+    if (static_cast<int32_t>(q.size()) < (one_step_ahead ? 2 : 1)) {
+      auto b = h.sched();
+      if (b) {
+        q.push_back(*b);
+        continue;
+      }
+    }
+    if (q.empty()) break;
+    apply(q.front());
+    q.pop_front();
+  }
+  EXPECT_FALSE(h.s.has_unfinished_requests());
+  EXPECT_EQ(h.s.num_outstanding_batches(), 0);
+  EXPECT_EQ(h.s.block_pool().num_free_blocks(), 14);
+  res.preemptions = h.s.stats().num_preemptions;
+  return res;
+}
+
+TEST(SchedulerTest, SynchronousAndOneStepAheadStreamTheSameTokens) {
+  for (bool chunked : {true, false}) {
+    SCOPED_TRACE(chunked);
+    const RunResult sync = RunWorkload(false, chunked);
+    const RunResult async = RunWorkload(true, chunked);
+    EXPECT_EQ(sync.why.size(), 10u);
+    EXPECT_EQ(sync.tokens, async.tokens);
+    EXPECT_EQ(sync.why, async.why);
+    EXPECT_GT(sync.preemptions + async.preemptions, 0) << "the workload should preempt";
+    for (const auto& [id, t] : sync.tokens) {
+      for (size_t n = 0; n < t.size(); ++n) {
+        EXPECT_EQ(t[n], ModelToken(id, static_cast<int32_t>(n)));
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random request streams: invariants after every call, every request ends exactly once
+// ---------------------------------------------------------------------------------------------
+
+void RandomStream(uint32_t seed, bool check_plan) {
+  {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    auto pick = [&](int32_t lo, int32_t hi) {  // inclusive
+      return lo + static_cast<int32_t>(rng() % static_cast<uint32_t>(hi - lo + 1));
+    };
+    SchedulerConfig c;
+    c.block_size = pick(1, 3) * 2;
+    c.num_speculative_tokens = std::vector<int32_t>{0, 0, 1, 2, 3}[rng() % 5];
+    c.num_blocks = pick(12, 40);
+    c.max_model_len = std::max(8, c.num_blocks * c.block_size / 3 - c.num_speculative_tokens);
+    c.max_num_seqs = pick(1, 8);
+    c.max_num_batched_tokens = pick(c.num_speculative_tokens + 1, 48);
+    c.enable_chunked_prefill = rng() % 4 != 0;
+    c.enable_prefix_caching = rng() % 4 != 0;
+    c.enable_kv_events = rng() % 2 == 0;
+    c.eos_token_id = 2;
+    c.stop_token_ids = {3};
+    c.num_state_slots = rng() % 4 == 0 ? pick(1, 4) : 0;
+    const int32_t k = c.num_speculative_tokens;
+    H h(c);
+    h.check_device_plan = check_plan;
+    std::set<int64_t> live;
+    std::map<int64_t, int32_t> generated, max_tokens, prompt_len;
+    int64_t next_id = 0;
+    std::deque<Snap> q;
+    auto add_some = [&] {
+      const int32_t n = pick(0, 2);
+      for (int32_t i = 0; i < n; ++i) {
+        const int64_t id = next_id++;
+        V prompt = Seq(100 * pick(0, 3), pick(0, 12));
+        const int32_t tail = pick(1, 6);
+        for (int32_t j = 0; j < tail; ++j) prompt.push_back(pick(4, 9));
+        if (rng() % 10 == 0) prompt = Seq(0, c.max_model_len + pick(1, 5));  // rejected
+        SamplingParams p = P(pick(1, 12));
+        p.ignore_eos = rng() % 5 == 0;
+        if (rng() % 6 == 0) p.stop_token_sequences = {{5, 6}};
+        h.add(id, prompt, p);
+        live.insert(id);
+        generated[id] = 0;
+        max_tokens[id] = p.max_tokens;
+        prompt_len[id] = static_cast<int32_t>(prompt.size());
+      }
+    };
+    auto apply = [&](const Snap& b) {
+      const int32_t w = k == 0 ? 1 : k + 1;  // prefill batches too
+      V sampled, acc, drafts;
+      for (int32_t r = 0; r < b.num_rows; ++r) {
+        for (int32_t j = 0; j < w; ++j) sampled.push_back(rng() % 12 == 0 ? 2 : pick(4, 40));
+        if (k > 0) {
+          acc.push_back(b.is_prefill ? 1 : pick(1, b.nsched[r]));  // K+1, fewer near the limit
+          for (int32_t j = 0; j < k; ++j) drafts.push_back(pick(4, 40));
+        }
+      }
+      const Outs o = h.upd(b, sampled, acc, drafts);
+      for (int64_t id : o.order) {
+        const ROut& r = o.by_id.at(id);
+        EXPECT_TRUE(live.count(id)) << "output for request " << id << " that already ended";
+        generated[id] += static_cast<int32_t>(r.tokens.size());
+        EXPECT_LE(generated[id], max_tokens[id]) << id;
+        // A prompt of max_model_len tokens still gets its one prefill token.
+        EXPECT_LE(prompt_len[id] + generated[id], std::max(c.max_model_len, prompt_len[id] + 1))
+            << id;
+        if (r.reason != FinishReason::kNone) live.erase(id);
+      }
+      if (testing::Test::HasFailure()) return;
+    };
+    for (int step = 0; step < 400 && !testing::Test::HasFailure(); ++step) {
+      if (step < 150) add_some();
+      if (step < 300 && rng() % 25 == 0 && !live.empty()) {
+        auto it = live.begin();
+        std::advance(it, rng() % live.size());
+        if (h.s.contains(*it)) {
+          h.s.abort_request(*it);
+          h.Inv("abort_request");
+          live.erase(it);
+        }
+      }
+      const bool ahead = rng() % 2 == 0;
+      if (static_cast<int32_t>(q.size()) < (ahead ? 2 : 1)) {
+        auto b = h.sched(0.0, rng() % 8 != 0);
+        for (const auto& rej : h.s.take_rejected()) {
+          EXPECT_TRUE(live.count(rej.req_id));
+          EXPECT_EQ(rej.reason.rfind("unschedulable: ", 0), 0u);
+          live.erase(rej.req_id);
+        }
+        if (b) {
+          q.push_back(*b);
+          continue;
+        }
+      }
+      if (!q.empty()) {
+        apply(q.front());
+        q.pop_front();
+      }
+      (void)h.s.take_events();
+    }
+    // Drain: everything must finish.
+    for (int guard = 0; guard < 5000 && !testing::Test::HasFailure(); ++guard) {
+      if (q.size() < 2) {
+        auto b = h.sched();
+        for (const auto& rej : h.s.take_rejected()) live.erase(rej.req_id);
+        if (b) {
+          q.push_back(*b);
+          continue;
+        }
+      }
+      if (q.empty()) break;
+      apply(q.front());
+      q.pop_front();
+    }
+    EXPECT_TRUE(live.empty()) << live.size() << " requests never finished";
+    EXPECT_FALSE(h.s.has_unfinished_requests());
+    EXPECT_EQ(h.s.block_pool().num_free_blocks(), c.num_blocks);
+  }
+}
+
+TEST(SchedulerTest, RandomStreamsKeepInvariants) {
+  for (uint32_t seed = 1; seed <= 12 && !HasFailure(); ++seed) RandomStream(seed, false);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device plan: replaying slot_reset / new_block_starts / new_block_ids in batch order rebuilds
+// every row's block table in its device slot (docs/api.md).
+// ---------------------------------------------------------------------------------------------
+
+TEST(SchedulerTest, DevicePlanRebuildsTheBlockTables) {
+  for (bool ahead : {false, true}) {
+    for (bool chunked : {true, false}) {
+      SCOPED_TRACE(testing::Message() << "one_step_ahead " << ahead << " chunked " << chunked);
+      RunWorkload(ahead, chunked, /*check_plan=*/true);
+    }
+  }
+  for (uint32_t seed = 1; seed <= 6 && !HasFailure(); ++seed) RandomStream(seed, true);
+}
+
+}  // namespace
+}  // namespace atom_sched
