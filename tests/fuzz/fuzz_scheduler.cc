@@ -1,16 +1,21 @@
 // libFuzzer target over the scheduler's public operations (DESIGN.md section 9). The input bytes
 // drive a sequence of add / abort / schedule / update / transfer-report calls, with valid and
-// invalid arguments; the scheduler must reject bad calls with InvalidArgument or UnknownRequest,
-// leave its state intact, and keep every invariant (check_invariants() after each call). Any
-// other exception, a sanitizer report or a crash is a finding.
+// invalid arguments, and (in half the inputs) a KV connector whose answers come from the same
+// bytes: remote prefills (load_async, an injected first token and drafts), deferred frees,
+// malformed answers and throwing calls. The scheduler must reject bad calls with InvalidArgument
+// or UnknownRequest, leave its state intact, and keep every invariant (check_invariants() after
+// each call). Any other exception, a sanitizer report or a crash is a finding.
 //
 //   make fuzz            # builds with clang (libFuzzer + ASan + UBSan) and runs for FUZZ_SECONDS
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
+#include <stdexcept>
 #include <vector>
 
 #include "atom_sched/errors.h"
+#include "atom_sched/kv_connector.h"
 #include "atom_sched/scheduler.h"
 
 namespace {
@@ -37,6 +42,40 @@ struct Pending {
   std::vector<int32_t> widths;  // tokens per row: K+1, fewer near max_model_len
 };
 
+// A connector whose every answer is drawn from the input bytes.
+class FuzzConnector : public KvConnector {
+ public:
+  explicit FuzzConnector(Bytes& in) : in_(in) {}
+  bool is_producer() const override { return false; }
+  RemoteMatch get_num_new_matched_tokens(const ConnectorRequest& r) override {
+    RemoteMatch m;
+    switch (in_.below(8)) {
+      case 0: throw std::runtime_error("remote unreachable");
+      case 1:
+      case 2:
+        m.load_async = true;
+        m.num_tokens = r.num_prompt_tokens;
+        m.first_token = in_.below(14) - 1;
+        m.draft_tokens.assign(in_.below(4), in_.below(12));
+        break;
+      case 3: m.first_token = -2 - in_.below(3); break;  // malformed: a failed call
+      case 4: m.draft_tokens = {in_.below(12) - 5}; break;  // sometimes a negative draft
+      default: break;
+    }
+    return m;
+  }
+  void update_state_after_alloc(const ConnectorRequest&) override {
+    if (in_.below(16) == 0) throw std::runtime_error("alloc refused");
+  }
+  bool request_finished(const ConnectorRequest&) override {
+    if (in_.below(16) == 0) throw std::runtime_error("send failed");
+    return in_.next() & 1;
+  }
+
+ private:
+  Bytes& in_;
+};
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -54,13 +93,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   cfg.eos_token_id = 2;
   cfg.num_state_slots = in.below(3);
   Scheduler s(cfg);
+  if (in.next() & 1) s.set_kv_connector(std::make_shared<FuzzConnector>(in));
   const int32_t k = cfg.num_speculative_tokens;
   std::deque<Pending> outstanding;
   std::vector<int32_t> prompt, sampled, accepted, drafts;
   int64_t next_id = 0;
   while (!in.empty()) {
     try {
-      switch (in.below(8)) {
+      switch (in.below(9)) {
         case 0:
         case 1: {  // add a request, sometimes with a bad argument
           prompt.assign(in.below(40), 0);
@@ -107,6 +147,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           out.draft_token_ids = drafts;
           s.update(id, out);
           outstanding.pop_front();
+          break;
+        }
+        case 7: {  // transfer reports: live, finished, unknown and repeated ids
+          std::vector<int64_t> sending(in.below(3)), recving(in.below(3));
+          for (auto& id : sending) id = in.below(static_cast<int32_t>(next_id) + 2) - 1;
+          for (auto& id : recving) id = in.below(static_cast<int32_t>(next_id) + 2) - 1;
+          s.update_from_kv_xfer_finished(sending, recving);
+          (void)s.take_connector_errors();
           break;
         }
         default:
