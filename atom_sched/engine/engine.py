@@ -348,7 +348,11 @@ class LLMEngine:
         tm = self.timings
         max_out = 2 if self.config.one_step_ahead else 1
         batch = None
-        if self.scheduler.num_outstanding_batches < max_out:
+        # A None from schedule() describes the state it saw: with a batch in flight, that batch's
+        # outputs (delivered below) may end requests and free their KV (one step ahead, a request
+        # whose last token is in flight gets no row, and the waiting ones may need its blocks).
+        in_flight = self.scheduler.num_outstanding_batches
+        if in_flight < max_out:
             t0 = time.perf_counter()
             batch = self.scheduler.schedule()
             tm.schedule += time.perf_counter() - t0
@@ -366,10 +370,13 @@ class LLMEngine:
             progressed, failed = self._poll_kv_transfers(batch is None and not self._pending)
             events += failed
             xfer_active = xfer_active or progressed
-        if (batch is None and not self._pending and not xfer_active
+        # docs/api.md: with nothing in flight, prefill allowed and no transfer going on, a None
+        # means every request has ended (a request that can never run is finished or rejected
+        # in the call that finds it out). Anything else is a scheduler bug: never spin on it.
+        if (batch is None and in_flight == 0 and not xfer_active
                 and self.scheduler.has_unfinished_requests()):
-            raise RuntimeError("scheduler has unfinished requests but schedules nothing "
-                               "(KV pool too small for a single request?)")
+            raise RuntimeError("scheduler has unfinished requests but schedules nothing with no "
+                               "batch in flight (a broken None contract, docs/api.md)")
         return events
 
     def _launch(self, batch: Any) -> _InFlight:

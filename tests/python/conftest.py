@@ -4,15 +4,19 @@
   output (g = 0 for the token sampled after its prefill) is ``token(rid, g)``, a hash of
   ``(seed, rid, g)`` mapped into ``[10, 10 + vocab)``: never EOS, never a small "special" id unless
   a test scripts it through ``overrides``. With K > 0 drafts the number of accepted tokens of a
-  decode row is ``accepted(rid, g)``. Both depend only on the request id and on the number of
-  tokens the request has generated so far, which the model tracks itself as the device would
-  (``gen``), so a synchronous and a one-step-ahead run must stream exactly the same tokens.
+  decode row is ``accepted(rid, g)``, capped at the row's width (K+1, fewer near the position
+  limit: no draft past it is scheduled, so none can be accepted). Tokens depend only on the
+  request id and on the number of tokens the request has generated so far, which the model
+  tracks itself as the device would (``gen``), so a synchronous and a one-step-ahead run must
+  stream exactly the same tokens (how many per step may differ near the limit, where a row one
+  step ahead starts from an upper bound and so may be narrower).
 * ``Driver``: runs a Scheduler with a FakeModel, synchronously or one step ahead (schedule t+1
   before update t, at most two batches outstanding), calls ``check_invariants()`` after every
   schedule and update, checks every batch against docs/api.md, and collects each request's
   streamed tokens, log-probabilities, finish reason and cached-token count.
 * ``expected_output``: an oracle for a request's complete output and finish reason under the fixed
-  stop semantics of docs/api.md (earliest stop wins, stop sequences over generated tokens only).
+  stop semantics of docs/api.md (earliest stop wins, stop sequences over generated tokens only,
+  then the length rules max_tokens, max_model_len, kv_capacity).
 """
 
 from __future__ import annotations
@@ -179,7 +183,8 @@ class FakeModel:
                 sampled[i, :] = 0
                 continue
             g = self.gen[rid]
-            a = 1 if rec.is_prefill else self.accepted(rid, g)
+            # A row near the position limit carries fewer than K+1 tokens: at most that many.
+            a = 1 if rec.is_prefill else min(self.accepted(rid, g), rec.num_scheduled_tokens[i])
             for j in range(a):
                 sampled[i, j] = self.token(rid, g + j)
                 lps[i, j] = self.logprob(rid, g + j)
@@ -303,6 +308,7 @@ def expected_output(
     stop_ids = set(int(x) for x in cfg.stop_token_ids) | set(info.stop_ids)
     eos = int(cfg.eos_token_id)
     max_len = int(cfg.max_model_len)
+    pool_positions = int(cfg.num_blocks) * int(cfg.block_size)
     out: list[int] = []
     g = 0
     while True:
@@ -319,6 +325,23 @@ def expected_output(
             return out, "max_tokens"
         if len(info.prompt) + len(out) >= max_len:
             return out, "max_model_len"
+        if len(info.prompt) + len(out) > pool_positions:
+            return out, "kv_capacity"
+
+
+def final_length(info: ReqInfo, cfg: SchedulerConfig) -> int:
+    """The token count at which a length rule (max_tokens, max_model_len, kv_capacity) ends a
+    request, whatever its tokens."""
+    return min(
+        len(info.prompt) + info.max_tokens,
+        int(cfg.max_model_len),
+        int(cfg.num_blocks) * int(cfg.block_size) + 1,
+    )
+
+
+def position_limit(cfg: SchedulerConfig) -> int:
+    """Every scheduled position is below this: min(max_model_len, the pool's positions)."""
+    return min(int(cfg.max_model_len), int(cfg.num_blocks) * int(cfg.block_size))
 
 
 def rejection_reason(n: int, cfg: SchedulerConfig) -> str | None:
@@ -368,6 +391,9 @@ class Driver:
         self.cfg = cfg
         self.k = model.k if cfg is None else int(cfg.num_speculative_tokens)
         assert self.k == model.k, "model and config disagree on K"
+        # The scheduler's own config (the row-width and length rules need it even without cfg).
+        self.sched_cfg: SchedulerConfig = sched.config
+        self.limit = position_limit(self.sched_cfg)
         self.now = now
         self.pending: deque[tuple[Any, dict[str, Any], BatchRecord]] = deque()
         self.reqs: dict[int, ReqInfo] = {}
@@ -573,9 +599,20 @@ class Driver:
             assert all(s >= 1 for s in rec.num_scheduled_tokens)
         else:
             assert rec.num_spec_tokens == k
-            assert rec.num_scheduled_tokens == [k + 1] * n
             assert all(rec.emits_token), "every decode row emits"
             assert b.spec_draft_tokens.shape == (n, k)
+            for i in range(n):
+                # K+1 tokens (the last token and K drafts), fewer only where a position would
+                # reach the limit; the drafts that were not scheduled read -1.
+                c, w = rec.num_cached_tokens[i], rec.num_scheduled_tokens[i]
+                want = min(k + 1, self.limit - c)
+                assert w >= 1 and w == want, ("decode row width", rec.req_ids[i], w, want, c)
+                rest = [int(x) for x in rec.spec_draft_tokens[i, w - 1 :]]
+                assert rest == [-1] * (k + 1 - w), ("unscheduled drafts", rec.req_ids[i], rest)
+        if n:
+            # Every position is below min(max_model_len, the pool's positions) (a model's rotary
+            # table has max_model_len rows).
+            assert int(rec.positions.max()) < self.limit, ("position past the limit", self.limit)
         if self.mode == "sync":
             assert all(rec.row_exact), "synchronous protocol: every row is exact"
             assert (rec.scheduled_tokens >= 0).all(), "synchronous protocol: every token known"
@@ -614,6 +651,15 @@ class Driver:
             assert float(b.top_ps[i]) == pytest.approx(info.top_p)
             known = self.known(rid)
             toks = rec.row_tokens(i)
+            if not rec.is_prefill:
+                # No row for a request whose outputs in flight (each emits at least one token)
+                # end it by a length rule: it would be discarded (docs/api.md, policy item 4).
+                inflight = self._inflight_rows(rid)
+                end = final_length(info, self.sched_cfg)
+                assert not inflight or len(known) + inflight < end, (
+                    f"wasted row: request {rid} has {len(known)} tokens and {inflight} rows in "
+                    f"flight, which end it at {end}"
+                )
             if rec.is_prefill:
                 c, L = rec.num_cached_tokens[i], rec.context_lens[i]
                 assert L <= len(known), "prefill beyond the known tokens"
@@ -636,6 +682,20 @@ class Driver:
                     assert t == known[p], ("decode input", rid, p, t, known[p])
                 elif k == 0:
                     assert t == -1, ("a token the host cannot know", rid, p, t)
+
+    def _inflight_rows(self, rid: int) -> int:
+        """Rows of `rid` in the outstanding batches whose outputs the scheduler will keep (a
+        prefill row restarts the count: the rows before a re-prefill were discarded)."""
+        count = 0
+        for _, _, r in self.pending:
+            if rid not in r.req_ids:
+                continue
+            i = r.row(rid)
+            if r.is_prefill:
+                count = int(r.emits_token[i])
+            else:
+                count += 1
+        return count
 
     def _check_device_plan(self, b: Any, rec: BatchRecord, bs: int) -> None:
         """Replays the batch's device plan onto per-slot tables, as the device would, and checks
@@ -820,8 +880,10 @@ __all__ = [
     "drive",
     "event_kind",
     "expected_output",
+    "final_length",
     "make_config",
     "make_driver",
+    "position_limit",
     "prompt",
     "rejection_reason",
     "sp",

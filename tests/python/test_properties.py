@@ -265,3 +265,29 @@ def test_tight_pool_forces_preemption_and_still_agrees() -> None:
     examples()
     # The name's promise: a pool this tight does preempt (in many examples, not just one).
     assert sum(1 for n in preempted if n > 0) >= len(preempted) // 10 > 0, preempted
+
+
+def test_pool_below_max_model_len_ends_requests_kv_capacity_and_still_agrees() -> None:
+    """A pool with fewer positions than max_model_len: a request whose tokens outgrow it
+    finishes "kv_capacity" keeping its tokens (the oracle's rule), never preempting itself,
+    in both protocols; rows stop short of the pool's end (the driver's width checks)."""
+    ended_kv_capacity: list[int] = []
+
+    @settings(
+        max_examples=60,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(scenarios(aborts=False), st.integers(0, 3))
+    def examples(scn: Scenario, short: int) -> None:
+        bs = int(scn.cfg["block_size"])
+        scn.cfg["num_blocks"] = max(1, cdiv(int(scn.cfg["max_model_len"]), bs) - 1 - short)
+        a = run(scn, "sync")
+        b = run(scn, "async")
+        compare(a, b)
+        ended_kv_capacity.append(sum(1 for r in a.reasons.values() if r == "kv_capacity"))
+
+    examples()
+    assert sum(1 for n in ended_kv_capacity if n > 0) >= len(ended_kv_capacity) // 10 > 0, (
+        ended_kv_capacity
+    )
