@@ -449,26 +449,36 @@ def marginal_paired(pairs: int, chunk: int, warmup: int, *, check: bool = False,
 def _check_decode_step(s: Scheduler, b: Any, out: Any, n: int, k: int, acc: np.ndarray | None,
                        drafts: np.ndarray | None, prev: dict[str, np.ndarray] | None
                        ) -> dict[str, np.ndarray]:
-    w = k + 1
     _verify_rows(b)
     ids = np.array(b.req_ids)
-    _require(b.num_tokens == n * w, f"decode batch has {b.num_tokens} tokens, expected {n * w}")
-    _require(np.all(np.asarray(b.num_scheduled_tokens) == w), "a decode row is not K+1 tokens")
+    cached = np.asarray(b.num_cached_tokens)
+    # K+1 tokens a row, fewer where a position would reach min(max_model_len, pool positions).
+    cfg = s.config
+    limit = min(int(cfg.max_model_len), int(cfg.num_blocks) * int(cfg.block_size))
+    widths = np.minimum(k + 1, limit - cached.astype(np.int64))
+    _require(bool(np.all(widths >= 1)), "a decode row at the position limit")
+    _require(b.num_tokens == int(widths.sum()),
+             f"decode batch has {b.num_tokens} tokens, expected {int(widths.sum())}")
+    _require(np.array_equal(np.asarray(b.num_scheduled_tokens), widths),
+             "a decode row is not K+1 tokens (fewer only near the position limit)")
+    starts = np.asarray(b.cu_seqlens_q)[:-1]
     _require(np.array_equal(np.asarray(out.request_ids), ids), "update() did not emit every row")
     gained = np.diff(np.asarray(out.token_offsets))
     _require(np.array_equal(gained, acc if k else np.ones(n)), "tokens gained != num_accepted")
     new = np.asarray(out.new_tokens)
     last = new[np.asarray(out.token_offsets)[1:] - 1]
-    cached = np.asarray(b.num_cached_tokens)
     if prev is not None:
         _require(np.array_equal(prev["ids"], ids), "the row order changed in steady state")
-        _require(np.array_equal(np.asarray(b.scheduled_tokens)[::w], prev["last"]),
+        _require(np.array_equal(np.asarray(b.scheduled_tokens)[starts], prev["last"]),
                  "a row's input token is not its last sampled token")
         # Rejected drafts are rolled back: the KV length grows by the accepted count only.
         _require(np.array_equal(cached, prev["cached"] + prev["acc"]),
                  "num_cached_tokens did not advance by num_accepted")
         if k:
-            _require(np.array_equal(np.asarray(b.spec_draft_tokens), drafts),
+            # The drafts a row schedules are the ones passed to update(); the rest read -1.
+            scheduled = np.arange(k)[None, :] < (widths - 1)[:, None]
+            _require(np.array_equal(np.asarray(b.spec_draft_tokens),
+                                    np.where(scheduled, drafts, -1)),
                      "spec_draft_tokens are not the drafts passed to update()")
     return {"ids": ids, "last": last.copy(), "cached": cached.copy(),
             "acc": (acc.astype(np.int64) if k else np.ones(n, np.int64))}
