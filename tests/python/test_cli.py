@@ -85,3 +85,12 @@ def test_sampling_without_seed_draws_and_prints_one():
     r = run_cli("generate", "--max-tokens", "2", "--temperature", "0.8", "Hi")
     assert r.returncode == 0, r.stderr.decode()
     assert "sampling seed" in r.stderr.decode()
+
+
+def test_request_outgrowing_the_kv_pool_finishes_kv_capacity():
+    """Issue 12 items 1-2: a request that outgrows the whole pool (3 blocks of 16) ends cleanly
+    with its tokens and the reason kv_capacity: no hang, no preemption of itself, no traceback."""
+    r = run_cli("generate", "--kv-blocks", "3", "--ignore-eos", "--max-tokens", "64", "Hi")
+    out, err = r.stdout.decode(), r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "(kv_capacity, " in out and "Traceback" not in err, (out, err)
