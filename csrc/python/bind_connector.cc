@@ -131,14 +131,30 @@ void bind_connector_types(py::module_& m) {
              r.load_async = load_async;
              r.first_token = first_token;
              r.draft_tokens = std::move(draft_tokens);
+             r.validate();  // ValueError here, not a rejected request later
              return r;
            }),
            py::kw_only(), "num_tokens"_a = 0, "load_async"_a = false, "first_token"_a = -1,
            "draft_tokens"_a = std::vector<int32_t>{})
       .def_readwrite("num_tokens", &RemoteMatch::num_tokens)
       .def_readwrite("load_async", &RemoteMatch::load_async)
-      .def_readwrite("first_token", &RemoteMatch::first_token)
-      .def_readwrite("draft_tokens", &RemoteMatch::draft_tokens);
+      // The token ids are checked when set as on construction (ValueError, value unchanged).
+      .def_property(
+          "first_token", [](const RemoteMatch& r) { return r.first_token; },
+          [](RemoteMatch& r, int32_t t) {
+            RemoteMatch c;
+            c.first_token = t;
+            c.validate();
+            r.first_token = t;
+          })
+      .def_property(
+          "draft_tokens", [](const RemoteMatch& r) { return r.draft_tokens; },
+          [](RemoteMatch& r, std::vector<int32_t> d) {
+            RemoteMatch c;
+            c.draft_tokens = std::move(d);
+            c.validate();
+            r.draft_tokens = std::move(c.draft_tokens);
+          });
 
   py::class_<KvConnector, PyKvConnector, std::shared_ptr<KvConnector>>(
       m, "KVConnector",

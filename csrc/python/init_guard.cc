@@ -1,7 +1,8 @@
 // Objects made by `Cls.__new__(Cls)` without `__init__` hold uninitialised C++ memory (pybind11
 // allocates the value lazily and never constructs it). Reading one would crash or return garbage,
 // so every bound type of the module refuses such an object with a TypeError: its attribute
-// lookups and the slots Python calls directly (len, repr, iter, [], ==, hash) first ask whether
+// lookups and assignments (a setter writes into the unconstructed value: a std::vector member
+// crashed) and the slots Python calls directly (len, repr, iter, [], ==, hash) first ask whether
 // pybind11 registered the instance, which it does when any constructor, `__setstate__` (pickle)
 // or a C++ return made it. Subclasses defined in Python (connectors) are left to pybind11's own
 // "__init__ must be called" check.
@@ -19,6 +20,7 @@ namespace {
 
 struct Slots {
   getattrofunc getattro;
+  setattrofunc setattro;
   reprfunc repr;
   reprfunc str;
   lenfunc mp_length;
@@ -61,7 +63,13 @@ const Slots& base_slots(PyObject* self) {
     auto it = originals().find(t);
     if (it != originals().end()) return it->second;
   }
-  static const Slots generic{PyObject_GenericGetAttr};  // unreachable: wrappers are ours
+  // Unreachable: the wrappers are ours.
+  static const Slots generic = [] {
+    Slots g{};
+    g.getattro = PyObject_GenericGetAttr;
+    g.setattro = PyObject_GenericSetAttr;
+    return g;
+  }();
   return generic;
 }
 
@@ -75,6 +83,10 @@ bool name_allowed(PyObject* name) {
 PyObject* guarded_getattro(PyObject* self, PyObject* name) {
   if (!name_allowed(name) && refuse_uninitialised(self)) return nullptr;
   return base_slots(self).getattro(self, name);
+}
+int guarded_setattro(PyObject* self, PyObject* name, PyObject* value) {
+  if (refuse_uninitialised(self)) return -1;
+  return base_slots(self).setattro(self, name, value);
 }
 PyObject* guarded_repr(PyObject* self) {
   return refuse_uninitialised(self) ? nullptr : base_slots(self).repr(self);
@@ -102,8 +114,8 @@ Py_hash_t guarded_hash(PyObject* self) {
 }
 
 void guard_type(PyTypeObject* t) {
-  Slots s{t->tp_getattro, t->tp_repr, t->tp_str, nullptr, nullptr, t->tp_iter, nullptr,
-          t->tp_richcompare, t->tp_hash};
+  Slots s{t->tp_getattro, t->tp_setattro, t->tp_repr, t->tp_str, nullptr, nullptr,
+          t->tp_iter,      nullptr,         t->tp_richcompare, t->tp_hash};
   if (t->tp_as_mapping != nullptr) {
     s.mp_length = t->tp_as_mapping->mp_length;
     s.subscript = t->tp_as_mapping->mp_subscript;
@@ -111,6 +123,7 @@ void guard_type(PyTypeObject* t) {
   if (t->tp_as_sequence != nullptr) s.sq_length = t->tp_as_sequence->sq_length;
   originals().emplace(t, s);
   t->tp_getattro = guarded_getattro;
+  if (s.setattro != nullptr) t->tp_setattro = guarded_setattro;
   if (s.repr != nullptr) t->tp_repr = guarded_repr;
   if (s.str != nullptr) t->tp_str = guarded_str;
   if (s.iter != nullptr) t->tp_iter = guarded_iter;

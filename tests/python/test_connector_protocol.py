@@ -332,3 +332,27 @@ def test_a_connector_calling_back_into_its_scheduler_gets_an_error_not_a_deadloc
     (rejected,) = s.take_rejected()
     assert "must not call into a Scheduler" in rejected.reason
     s.check_invariants()
+
+
+@pytest.mark.parametrize("kw, what", [
+    (dict(first_token=-2), "first_token"),
+    (dict(first_token=-(2**31)), "first_token"),
+    (dict(draft_tokens=[5, -5]), "draft_tokens[1]"),
+    (dict(first_token=7, draft_tokens=[-1]), "draft_tokens[0]"),
+])
+def test_remote_match_refuses_bad_token_ids_on_construction(kw, what):
+    """Issue 12 item 6: RemoteMatch checks its ids as prompt tokens are checked (first_token
+    >= -1, drafts >= 0) when built and when set, not only when the scheduler reads the answer."""
+    with pytest.raises(ValueError, match=r"RemoteMatch\." + what.replace("[", r"\[")):
+        RemoteMatch(num_tokens=4, load_async=True, **kw)
+
+
+def test_remote_match_setters_check_and_keep_the_old_value():
+    m = RemoteMatch(num_tokens=4, load_async=True, first_token=9, draft_tokens=[1, 2])
+    with pytest.raises(ValueError, match="first_token"):
+        m.first_token = -3
+    with pytest.raises(ValueError, match=r"draft_tokens\[2\]"):
+        m.draft_tokens = [3, 4, -7]
+    assert m.first_token == 9 and m.draft_tokens == [1, 2]
+    m.first_token, m.draft_tokens = -1, [0]  # -1: no first token; 0 is a valid id
+    assert m.first_token == -1 and m.draft_tokens == [0]

@@ -86,6 +86,36 @@ def test_issue_reproducers_raise_type_error():
         c.num_blocks  # noqa: B018
 
 
+@pytest.mark.parametrize("cls", [c for c in BOUND_TYPES if not c.__name__.endswith("Connector")],
+                         ids=lambda t: t.__name__)
+def test_assigning_to_uninitialised_objects_raises_instead_of_crashing(cls):
+    """A setter writes into the value pybind11 never constructed (assigning a list to
+    RemoteMatch.draft_tokens or SchedulerConfig.stop_token_ids of a bare __new__ object crashed).
+    Every writable attribute, with a value of its own type, is refused with TypeError."""
+    code = f"""
+import atom_sched._core as c
+t = c.{cls.__name__}
+o = t.__new__(t)
+samples = [[1, 2, 3], 3, 0.5, True, "x", None]
+out = []
+for name in dir(t):
+    prop = getattr(t, name, None)
+    if name.startswith("__") or not isinstance(prop, property) or prop.fset is None:
+        continue
+    for v in samples:
+        try:
+            setattr(o, name, v)
+            out.append(name + ":ok")
+        except TypeError as e:
+            out.append("TypeError" if "not initialised" in str(e) else name + ":other")
+print(",".join(out))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"{cls.__name__}: rc={r.returncode} {r.stderr[-500:]}"
+    outcomes = [o for o in r.stdout.strip().split(",") if o]
+    assert all(o == "TypeError" for o in outcomes), (cls.__name__, outcomes)
+
+
 # ---- item 9: token containers ------------------------------------------------------------
 
 
