@@ -282,3 +282,54 @@ def test_first_decode_after_a_remote_prefill_runs_on_a_fresh_slot():
     slot = batch.request_slots[0]
     assert state["computed"][slot] == sched.request_state(0)["num_computed_tokens"] == 15
     assert state["last_token"][slot] == 50 and state["drafts"][slot].tolist() == [60, 61]
+
+
+class _RowCappedModel(SpecModel):
+    """SpecModel whose accepted count of a decode row is capped at the row's width (fewer than
+    K+1 tokens near the position limit: a draft that was not scheduled cannot be accepted)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self._cap: dict[tuple[int, int], int] = {}
+
+    def outputs(self, batch, device):
+        rows = zip(batch.req_ids, batch.num_scheduled_tokens, strict=True)
+        rows = [] if batch.is_prefill else rows
+        self._cap = {(int(r), self.gen[int(r)]): int(w) for r, w in rows}
+        return super().outputs(batch, device)
+
+    def accepted(self, rid: int, g: int) -> int:
+        a = super().accepted(rid, g)
+        return min(a, self._cap.get((rid, g), a))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_decode_rows_shorter_than_k_plus_1_at_max_model_len(mode: str, monkeypatch) -> None:
+    """Issue 12 item 3 through the real scheduler: with K = 3, rows near max_model_len carry
+    fewer than K+1 tokens (no position reaches the limit); the builder's inputs still equal the
+    host's (run_builder checks every batch) and every request streams its whole sequence up to
+    max_model_len, in both protocols."""
+    k, limit = 3, 24
+    widths: list[int] = []
+
+    class Recording(Scheduler):
+        def schedule(self, *a, **kw):
+            b = super().schedule(*a, **kw)
+            if b is not None and not b.is_prefill:
+                widths.extend(int(x) for x in b.num_scheduled_tokens)
+            return b
+
+    monkeypatch.setattr(atom_sched, "Scheduler", Recording)
+    cfg = SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                          max_model_len=limit, num_speculative_tokens=k, eos_token_id=1)
+    ps = {rid: (list(range(100 + rid, 110 + 2 * rid)), SamplingParams(max_tokens=100))
+          for rid in range(6)}
+    model = _RowCappedModel(k, seed=3, eos_rate=0)
+    log, builder = run_builder(cfg, ps, model, mode=mode)
+    assert any(w < k + 1 for w in widths), widths
+    assert all(1 <= w <= k + 1 for w in widths)
+    for rid, (p, _) in ps.items():
+        assert log.finished[rid] == "max_model_len"
+        assert log.tokens[rid] == model.sequence(rid, limit - len(p)), rid
+        assert max(log.inputs[rid]) < limit, "a position at or past max_model_len was built"
+    assert builder.host_waits == 0
