@@ -19,6 +19,8 @@
 //  * __forceinline__ expands to nothing without NDEBUG (multiple definitions at -O0), and
 //    __device__/__global__ carry g++'s `simd` attribute (vector clones, warnings): plain here;
 //  * no <<<>>> under g++ (detail::launch uses hipLaunchKernelGGL), no graphs, no stream capture;
+//  * its null stream does not keep launch order: launches go to a stream of our own and complete
+//    before the launcher returns (detail::launch, hip_cpu::ordered_stream);
 //  * warpSize is a constexpr 64 there; ATOM_SCHED_WARP_SIZE (32 or 64) is chosen by the build
 //    (ATOM_SCHED_HIP_CPU_WARP_SIZE), so both NVIDIA's and AMD's lane counts are exercised.
 #include <hip/hip_runtime.h>
@@ -200,6 +202,30 @@ inline Status check_launch(const char* kernel) {
                      hipGetErrorString(e));
 }
 
+#if defined(ATOM_SCHED_PLATFORM_HIP_CPU)
+namespace hip_cpu {
+
+/// The stream every launch of a caller without a stream goes to. HIP-CPU's null stream does not
+/// keep launch order: its processor drains the null stream from two places at once (the
+/// std::async task of wait_all_streams_ and the parallel loop over every stream, the null one
+/// included), so when the host pauses between two launches (a loaded machine), the second kernel
+/// can run concurrently with, or before, the first: build_inputs read apply_plan's meta and
+/// row scans half-written (the parity driver's `errors: kernel 40`, docs/device.md). A created
+/// stream is drained by one task at a time, in order. Created once, never destroyed (the runtime
+/// outlives every launch).
+inline hipStream_t ordered_stream() noexcept {
+  static const hipStream_t s = [] {
+    hipStream_t x = nullptr;
+    if (hipStreamCreate(&x) != hipSuccess) x = nullptr;
+    (void)hipGetLastError();
+    return x;
+  }();
+  return s;
+}
+
+}  // namespace hip_cpu
+#endif
+
 /// Launches `kernel<<<grid, block, 0, stream>>>(args...)` and checks the launch error.
 template <typename Kernel, typename... Args>
 Status launch(const char* name, Kernel kernel, unsigned grid, unsigned block, void* stream,
@@ -207,12 +233,22 @@ Status launch(const char* name, Kernel kernel, unsigned grid, unsigned block, vo
   // Clear a stale error left by an earlier, unrelated call so it is not blamed on this launch.
   (void)hipGetLastError();
 #if defined(ATOM_SCHED_PLATFORM_HIP_CPU)
-  hipLaunchKernelGGL(kernel, dim3(grid), dim3(block), 0, static_cast<hipStream_t>(stream),
-                     args...);
+  // HIP-CPU: on an ordered stream (never the null stream, see ordered_stream), and complete when
+  // the launcher returns: "device" memory is host memory here, read and written by host code
+  // (the parity driver, torch's CPU tensors) that no HIP-CPU stream orders. So a launch also
+  // never overlaps the previous one, whatever stream the caller passed.
+  const hipStream_t s = stream != nullptr ? static_cast<hipStream_t>(stream)
+                                          : hip_cpu::ordered_stream();
+  hipLaunchKernelGGL(kernel, dim3(grid), dim3(block), 0, s, args...);
+  if (Status st = check_launch(name); !st.ok()) return st;
+  const hipError_t e = s != nullptr ? hipStreamSynchronize(s) : hipDeviceSynchronize();
+  if (e == hipSuccess) return {};
+  return make_status(StatusCode::kLaunchFailed, "%s: synchronize failed: %s", name,
+                     hipGetErrorString(e));
 #else
   kernel<<<grid, block, 0, static_cast<hipStream_t>(stream)>>>(args...);
-#endif
   return check_launch(name);
+#endif
 }
 
 /// Inclusive scan of `v` across one warp.
