@@ -75,7 +75,10 @@ class SpecModel:
             if not emits[i]:
                 continue
             g = self.gen[rid]
-            a = 1 if batch.is_prefill else self.accepted(rid, g)
+            # A decode row verifies its q - 1 drafts (q <= K+1; narrower near the position
+            # limit or the pool's end): it accepts at most q tokens.
+            q = int(batch.num_scheduled_tokens[i])
+            a = 1 if batch.is_prefill else min(self.accepted(rid, g), q)
             # Inputs were [last, draft(rid, g, 0..k-1)]; the target's token at each position:
             target[i, :] = [self.token(rid, g + j) for j in range(k + 1)]
             if self.probabilistic and not batch.is_prefill:
@@ -152,8 +155,9 @@ def check_inputs_against_host(b: Any, x: Any, k: int, exact: bool) -> None:
     np.testing.assert_array_equal(logits[:n], cu[1:] - 1)
     if b.is_prefill:
         np.testing.assert_array_equal(spec[:n], np.repeat((cu[1:] - 1)[:, None], k + 1, axis=1))
-    else:
-        np.testing.assert_array_equal(spec[:n], cu[:-1, None] + np.arange(k + 1)[None, :])
+    else:  # each token of the row, then its last one repeated (a row narrower than K+1 tokens)
+        spec_want = np.minimum(cu[:-1, None] + np.arange(k + 1)[None, :], (cu[1:] - 1)[:, None])
+        np.testing.assert_array_equal(spec[:n], spec_want)
     # Padding, as a captured graph needs it.
     rp, tp = x.num_rows_padded, x.num_tokens_padded
     assert ids.shape == (tp,) and table.shape[0] == rp and qsl.shape == (rp + 1,)
