@@ -50,6 +50,7 @@ help:
 	@echo "make build-cuda    compile the CUDA back end (nvcc, sm_80+sm_90) into $(CUDA_DIR), import-check it"
 	@echo "make check-hip     hipcc compile checks (gfx90a, gfx940) and a HIP module build in $(HIP_DIR)"
 	@echo "make test-hip-cpu  the kernels on the CPU (HIP-CPU) against the references, warps 32 and 64"
+	@echo "make test-hip-cpu-python  the Python device suites with the kernels on the CPU (HIP-CPU)"
 	@echo "make lint          ruff (Python) and the 100-column check (C++)"
 	@echo "make fuzz          libFuzzer (ASan+UBSan) on the scheduler for FUZZ_SECONDS (30)"
 	@echo "make gpu-check     on a machine with a GPU: scripts/gpu_check.sh (GPU tests + kernel timings)"
@@ -160,6 +161,23 @@ test-hip-cpu: $(HIP_CPU_BUILD)/build.ninja
 	$(CTEST) --test-dir $(HIP_CPU_BUILD) -R '^device_parity\.' --output-on-failure -j $(JOBS)
 # ---- end HIP-CPU ----------------------------------------------------------------------------------
 
+# ---- HIP-CPU Python: the device suites with the kernels executed on the CPU (docs/device.md) -----
+# The module built against HIP-CPU (backend 'hip-cpu'): DeviceBatchBuilder on CPU tensors launches
+# the real kernels, and test_device_gpu.py compares them with the references instead of skipping
+# (ATOM_SCHED_REQUIRE_DEVICE=1: a skip is an error). Imported from a temporary package, as the
+# GPU builds are (scripts/check_gpu_module.py); never installed into $(VENV).
+HIP_CPU_PY_BUILD  := build/hip_cpu_py
+HIP_CPU_PY_SUITES := test_device_gpu.py test_device_builder.py test_device_properties.py \
+                     test_device_misuse.py
+.PHONY: test-hip-cpu-python
+$(HIP_CPU_PY_BUILD)/build.ninja: Makefile | venv
+	$(CMAKE) -S . -B $(HIP_CPU_PY_BUILD) $(GPU_CMAKE) -DATOM_SCHED_GPU=HIP_CPU
+
+test-hip-cpu-python: $(HIP_CPU_PY_BUILD)/build.ninja
+	$(CMAKE) --build $(HIP_CPU_PY_BUILD) -j $(JOBS) --target _core
+	$(VPY) scripts/check_gpu_module.py $(HIP_CPU_PY_BUILD) hip-cpu $(HIP_CPU_PY_SUITES)
+# ---- end HIP-CPU Python ---------------------------------------------------------------------------
+
 gpu-check:
 	bash scripts/gpu_check.sh
 
@@ -191,7 +209,7 @@ lint: venv
 test: deps
 	$(MAKE) test-all
 
-test-all: lint build-cuda check-hip test-hip-cpu fuzz test-cpp test-asan test-python
+test-all: lint build-cuda check-hip test-hip-cpu test-hip-cpu-python fuzz test-cpp test-asan test-python
 
 # The example engine (atom_sched/engine): SmolLM2-135M-Instruct on the CPU answers several prompts
 # served together (continuous batching; a 10-block KV pool and a 32-token budget, so chunked

@@ -11,7 +11,9 @@ and copies a compact result to pinned host memory for ``Scheduler.update``. No s
 device.
 
 On CPU tensors (``device="cpu"``) the same calls run the kernels' C++ references, so an engine
-written against the builder runs unchanged on a laptop::
+written against the builder runs unchanged on a laptop; with the ``hip-cpu`` build of the module
+(``ATOM_SCHED_GPU=HIP_CPU``, docs/device.md) they launch the real kernels instead, executed on the
+host by AMD's HIP CPU Runtime, for which CPU memory is device memory (``runs_kernels``)::
 
     builder = DeviceBatchBuilder(config, device="cuda")
     batch = sched.schedule()
@@ -196,6 +198,26 @@ def _on_builder_device(method: Any) -> Any:
     return guarded
 
 
+def _runs_kernels(on_device: bool, kernels: bool | None) -> bool:
+    """Whether a builder launches the kernels (True) or runs their CPU references (False).
+
+    A GPU always launches the kernels. On CPU tensors only the hip-cpu build can: its kernels run
+    on the host, CPU memory is its device memory, and every launch has completed on return."""
+    if kernels is not None and not isinstance(kernels, bool):
+        raise TypeError(f"kernels must be True, False or None, got {type(kernels).__name__}")
+    if on_device:
+        if kernels is False:
+            raise ValueError("kernels=False needs device='cpu' (the references run on the CPU)")
+        return True
+    hip_cpu = _core.device_backend() == "hip-cpu" and _core.device_count() > 0
+    if kernels and not hip_cpu:
+        raise _core.DeviceError(
+            "kernels=True on device='cpu' needs the hip-cpu build of atom_sched "
+            f"(ATOM_SCHED_GPU=HIP_CPU); this one is '{_core.device_backend()}'"
+        )
+    return hip_cpu if kernels is None else kernels
+
+
 class DeviceBatchBuilder:
     """Builds each batch's model inputs on ``device`` from persistent per-slot state.
 
@@ -204,6 +226,9 @@ class DeviceBatchBuilder:
     is used, as a graph runner needs); without it nothing is padded unless ``prepare`` is told.
     ``cuda_graphs``: replay the prepare kernels of decode batches from a captured graph per
     padded size (GPU only; captured the second time a size is seen).
+    ``kernels``: on CPU tensors, launch the kernels (True: needs the ``hip-cpu`` build) or run
+    their C++ references (False); None (default): the kernels when this build can run them on
+    ``device`` (a GPU, or the CPU with ``hip-cpu``). ``runs_kernels`` tells which.
     """
 
     def __init__(
@@ -213,6 +238,7 @@ class DeviceBatchBuilder:
         *,
         capture_sizes: list[int] | tuple[int, ...] | None = None,
         cuda_graphs: bool = False,
+        kernels: bool | None = None,
     ) -> None:
         torch = _torch()
         self._torch = torch
@@ -221,6 +247,11 @@ class DeviceBatchBuilder:
         if self.on_device:
             if self.device.type != "cuda":
                 raise ValueError(f"device must be 'cpu' or a CUDA/ROCm device, got {device!r}")
+            if _core.device_backend() == "hip-cpu":
+                raise _core.DeviceError(
+                    "this atom_sched build (hip-cpu) has no GPU back end: its kernels run on the "
+                    "CPU, use device='cpu'"
+                )
             if _core.device_backend() == "none":
                 raise _core.DeviceError(
                     "this atom_sched build has no GPU back end (build with ATOM_SCHED_GPU=CUDA "
@@ -230,6 +261,7 @@ class DeviceBatchBuilder:
                 raise _core.DeviceError("torch sees no GPU; use device='cpu'")
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
+        self.runs_kernels = _runs_kernels(self.on_device, kernels)
         self.k = int(config.num_speculative_tokens)
         self.block_size = int(config.block_size)
         self.num_slots = int(config.max_num_seqs)
@@ -467,7 +499,7 @@ class DeviceBatchBuilder:
     def _launch_prepare(self, plan: int, rows: int, tokens: int, graph: bool) -> None:
         if not graph:
             _core.device_prepare(
-                plan, self._state, self._outputs, rows, tokens, self._stream(), self.on_device
+                plan, self._state, self._outputs, rows, tokens, self._stream(), self.runs_kernels
             )
             return
         torch = self._torch
@@ -558,7 +590,7 @@ class DeviceBatchBuilder:
             int(dp.data_ptr()) if dp is not None else 0,
             int(un.data_ptr()) if un is not None else 0,
             self._stream(),
-            self.on_device,
+            self.runs_kernels,
         )
         self._accepted_id = int(batch.id)
         pending = k > 0 and drafts is None
@@ -583,7 +615,7 @@ class DeviceBatchBuilder:
         res = self._result_dev[result._buf]
         _core.device_store_drafts(
             plan, self._state, int(drafts.data_ptr()), int(res.data_ptr()), rows,
-            self._stream(), self.on_device,
+            self._stream(), self.runs_kernels,
         )
         self._pending = None
         result.drafts_pending = False

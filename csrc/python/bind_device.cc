@@ -4,6 +4,8 @@
 // The module never links libtorch: Python passes tensors' data pointers and the current stream as
 // integers. `on_device=True` runs the launcher (the pointers are device memory, the stream a
 // cudaStream_t / hipStream_t), `on_device=False` the CPU reference (host memory, stream ignored).
+// In the hip-cpu build the launcher runs the kernels on the host: device memory is host memory,
+// stream 0 is the back end's own ordered stream, and the launch has completed when it returns.
 // A failed Status becomes ValueError (bad arguments) or DeviceError (a RuntimeError: launch
 // failure, no device, no GPU back end in this build). Heavy calls release the GIL.
 #include <pybind11/numpy.h>
@@ -165,7 +167,7 @@ void bind_device(py::module_& m) {
   m.attr("DEVICE_ERROR_BITS") = error_bits;
 
   m.def("device_backend", [] { return std::string(dev::backend_name()); },
-        "This build's GPU back end: 'cuda', 'hip' or 'none'.");
+        "This build's GPU back end: 'cuda', 'hip', 'hip-cpu' (the kernels on the host) or 'none'.");
   m.def("device_count", &dev::device_count,
         "Usable GPUs for this build's back end; 0 without a back end, driver or device.");
   m.def("device_warp_size", &dev::warp_size,

@@ -201,11 +201,14 @@ def run_builder(
     cuda_graphs: bool = False,
     split_drafts: bool = False,
     max_steps: int = 5000,
+    kernels: bool | None = None,
 ) -> tuple[RunLog, Any]:
-    """Runs every prompt to completion through the builder; returns the log and the builder."""
+    """Runs every prompt to completion through the builder; returns the log and the builder.
+    ``kernels``: DeviceBatchBuilder's (None: the kernels where the build can run them, so the
+    hip-cpu build runs them on CPU tensors; False: the CPU references)."""
     sched = atom_sched.Scheduler(cfg)
     builder = atom_sched.DeviceBatchBuilder(
-        cfg, device=device, capture_sizes=capture_sizes, cuda_graphs=cuda_graphs
+        cfg, device=device, capture_sizes=capture_sizes, cuda_graphs=cuda_graphs, kernels=kernels
     )
     k = int(cfg.num_speculative_tokens)
     for rid, (p, sp) in prompts.items():

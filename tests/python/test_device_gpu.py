@@ -1,9 +1,17 @@
 """GPU kernels against their CPU references: identical integers on random batches (rows in any
 order, mixed prefill and decode rows, resets, K = 0..8, padding, up to 4,096 rows), and the
 builder on the GPU driving a real scheduler (parity with the host arrays, one step ahead, CUDA
-graphs). Skipped, with the reason, without a GPU back end in this build or without a device."""
+graphs).
+
+Runs on a GPU (the cuda or hip build) and, without one, on the hip-cpu build, whose kernels are
+executed on the host by the HIP CPU Runtime: there the "device" buffers are CPU tensors, launches
+take stream 0 and have completed when they return, and there are no graphs (docs/device.md).
+Skipped, with the reason, without a back end or a device; with ATOM_SCHED_REQUIRE_DEVICE=1 (make
+test-hip-cpu-python) a skip is an error instead."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -14,12 +22,20 @@ from device_support import Buffers, SpecModel, random_case, run_builder  # noqa:
 
 from atom_sched import SchedulerConfig, _core  # noqa: E402
 
+BACKEND = _core.device_backend()
+# The hip-cpu build: the kernels run on the host, so the "device" tensors are CPU tensors.
+HIP_CPU = BACKEND == "hip-cpu"
+DEVICE = "cpu" if HIP_CPU else "cuda"
+
 
 def _skip_reason() -> str | None:
-    backend = _core.device_backend()
+    backend = BACKEND
     if backend == "none":
         return ("this atom_sched build has no GPU back end (ATOM_SCHED_GPU=OFF): build one with "
-                "`make build-cuda` or run scripts/gpu_check.sh on a GPU machine")
+                "`make build-cuda`, run the kernels on the CPU with `make test-hip-cpu-python`, "
+                "or run scripts/gpu_check.sh on a GPU machine")
+    if HIP_CPU:
+        return None if _core.device_count() > 0 else "the hip-cpu runtime reports no device"
     if not torch.cuda.is_available():
         return f"no GPU: the module is built for {backend} but torch.cuda.is_available() is False"
     if _core.device_count() == 0:
@@ -28,21 +44,29 @@ def _skip_reason() -> str | None:
 
 
 REASON = _skip_reason()
+if REASON is not None and os.environ.get("ATOM_SCHED_REQUIRE_DEVICE") == "1":
+    raise RuntimeError(f"ATOM_SCHED_REQUIRE_DEVICE=1 but the device suite would skip: {REASON}")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 SEEDS = range(6)
 
 
 def both(case, **kw):
-    return Buffers(case, "cpu", **kw), Buffers(case, "cuda", **kw)
+    """The reference's buffers (CPU) and the kernels' (the device's; CPU for hip-cpu)."""
+    return Buffers(case, "cpu", **kw), Buffers(case, DEVICE, **kw)
 
 
 def stream() -> int:
-    return int(torch.cuda.current_stream().cuda_stream)
+    return 0 if HIP_CPU else int(torch.cuda.current_stream().cuda_stream)
+
+
+def synchronize() -> None:
+    if not HIP_CPU:  # hip-cpu launches have completed when they return
+        torch.cuda.synchronize()
 
 
 def assert_same(cpu: Buffers, gpu: Buffers, what: str) -> None:
-    torch.cuda.synchronize()
+    synchronize()
     a, b = cpu.snapshot(), gpu.snapshot()
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=f"{what}: {key}")
@@ -96,7 +120,8 @@ def test_accept_kernel_matches_reference(k: int, prob: bool, later: bool) -> Non
         target[i, :cut] = st["drafts"][r["slot"]][:cut]
     nxt = rng.integers(10, 5000, size=(rp, k)).astype(np.int32)
     probs = [rng.random((rp, k)).astype(np.float32) for _ in range(3)]
-    for bufs, dev in ((cpu, "cpu"), (gpu, "cuda")):
+    for bufs, on in ((cpu, False), (gpu, True)):
+        dev = DEVICE if on else "cpu"
         t = lambda a, dev=dev: torch.from_numpy(a).to(dev)  # noqa: E731
         tt, tn = t(target), t(nxt)
         tps = [t(p) for p in probs]
@@ -108,14 +133,13 @@ def test_accept_kernel_matches_reference(k: int, prob: bool, later: bool) -> Non
             draft_probs=tps[1].data_ptr() if use else 0,
             uniform=tps[2].data_ptr() if use else 0,
         )
-        on = dev == "cuda"
         s = stream() if on else 0
         _core.device_accept(bufs.plan.data_ptr(), bufs.state, bufs.result.data_ptr(), rp,
                             stream=s, on_device=on, **args)
         if later and k:
             _core.device_store_drafts(bufs.plan.data_ptr(), bufs.state, tn.data_ptr(),
                                       bufs.result.data_ptr(), rp, s, on)
-        torch.cuda.synchronize()
+        synchronize()
     assert_same(cpu, gpu, f"accept k={k} prob={prob} later={later}")
 
 
@@ -138,10 +162,12 @@ def test_builder_on_gpu_drives_the_scheduler(k: int, mode: str) -> None:
     rng = np.random.default_rng(k)
     prompts = {rid: ([int(x) for x in rng.integers(10, 5000, size=int(rng.integers(1, 30)))],
                      None) for rid in range(16)}
-    log, builder = run_builder(cfg, prompts, SpecModel(k, seed=k), mode=mode, device="cuda",
-                               capture_sizes=(1, 2, 4, 8), cuda_graphs=True)
-    cpu_log, _ = run_builder(cfg, prompts, SpecModel(k, seed=k), mode=mode, device="cpu",
-                             capture_sizes=(1, 2, 4, 8))
+    log, builder = run_builder(cfg, prompts, SpecModel(k, seed=k), mode=mode, device=DEVICE,
+                               capture_sizes=(1, 2, 4, 8), cuda_graphs=not HIP_CPU)
+    cpu_log, ref = run_builder(cfg, prompts, SpecModel(k, seed=k), mode=mode, device="cpu",
+                               capture_sizes=(1, 2, 4, 8), kernels=False)
+    assert builder.runs_kernels and not ref.runs_kernels
     assert log.tokens == cpu_log.tokens and log.finished == cpu_log.finished
     assert builder.host_waits == 0, "a step waited for the device"
-    assert builder._graphs, "decode steps replayed captured graphs"
+    if not HIP_CPU:  # no graphs on hip-cpu
+        assert builder._graphs, "decode steps replayed captured graphs"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from atom_sched import DeviceBatchBuilder, SamplingParams, Scheduler, SchedulerConfig
+from atom_sched import DeviceBatchBuilder, SamplingParams, Scheduler, SchedulerConfig, _core
 
 
 def test_plan_buffer_holds_the_worst_admission_step():
@@ -118,3 +118,20 @@ def test_builder_on_the_second_gpu_launches_there():
     torch.cuda.synchronize(1)
     assert x.positions[: b0.num_tokens].tolist() == b0.positions.tolist()
     assert builder.errors == 0 and torch.cuda.current_device() == 0
+
+
+def test_kernels_choice_is_checked():
+    # The ordinary build runs the references on CPU tensors; demanding the kernels there is a
+    # DeviceError naming the build to use, and anything but True/False/None a TypeError.
+    cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                          max_model_len=32)
+    hip_cpu = _core.device_backend() == "hip-cpu"
+    assert DeviceBatchBuilder(cfg).runs_kernels == hip_cpu
+    assert not DeviceBatchBuilder(cfg, kernels=False).runs_kernels
+    if hip_cpu:
+        assert DeviceBatchBuilder(cfg, kernels=True).runs_kernels
+    else:
+        with pytest.raises(_core.DeviceError, match="hip-cpu build"):
+            DeviceBatchBuilder(cfg, kernels=True)
+    with pytest.raises(TypeError, match="kernels must be"):
+        DeviceBatchBuilder(cfg, kernels="yes")
