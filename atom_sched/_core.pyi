@@ -337,6 +337,7 @@ class DeviceSlotState:
     width: int
     k: int
     block_size: int
+    plan_words: int
     def __init__(
         self,
         *,
@@ -349,6 +350,7 @@ class DeviceSlotState:
         width: int,
         k: int,
         block_size: int,
+        plan_words: int,
     ) -> None: ...
 
 class DeviceStepInputs:

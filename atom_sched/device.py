@@ -301,6 +301,7 @@ class DeviceBatchBuilder:
             width=self.width,
             k=self.k,
             block_size=self.block_size,
+            plan_words=self.plan_capacity,
         )
         # Outputs (capacity-sized; each step returns views of their prefixes).
         R, T = self.max_rows, self.max_tokens

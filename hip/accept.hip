@@ -14,7 +14,7 @@ constexpr int kAcceptThreads = 128;
 __global__ void __launch_bounds__(kAcceptThreads)
     accept_kernel(const int32_t* plan, SlotState s, AcceptInputs in, int32_t* result,
                   int32_t padded_rows) {
-  const detail::PlanView p = detail::read_plan(plan, padded_rows);
+  const detail::PlanView p = detail::read_plan(plan, padded_rows, s.plan_words);
   const int32_t r = static_cast<int32_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r == 0) detail::write_result_header(p, s, result);
   if (r < p.num_rows) detail::accept_row(p, r, s, in, result);
@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(kAcceptThreads)
 __global__ void __launch_bounds__(kAcceptThreads)
     store_drafts_kernel(const int32_t* plan, SlotState s, const int32_t* next_drafts,
                         int32_t* result, int32_t padded_rows) {
-  const detail::PlanView p = detail::read_plan(plan, padded_rows);
+  const detail::PlanView p = detail::read_plan(plan, padded_rows, s.plan_words);
   const int32_t r = static_cast<int32_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r < p.num_rows) detail::store_drafts_row(p, r, s, next_drafts, result);
 }

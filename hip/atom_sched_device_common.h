@@ -15,7 +15,7 @@
 
 namespace atom_sched::device::detail {
 
-/// A plan's header, validated against the launch's padded sizes.
+/// A plan's header, validated against the launch's padded sizes and the buffer's capacity.
 struct PlanView {
   int32_t num_rows = 0;
   int32_t num_block_updates = 0;
@@ -27,12 +27,14 @@ struct PlanView {
   const int32_t* tokens = nullptr;
 };
 
-ATOM_SCHED_HD PlanView read_plan(const int32_t* plan, int32_t padded_rows) {
+ATOM_SCHED_HD PlanView read_plan(const int32_t* plan, int32_t padded_rows, int64_t capacity) {
   PlanView v;
   const int32_t n = plan[kPlanNumRows];
   const int32_t nb = plan[kPlanNumBlockUpdates];
   const int32_t nt = plan[kPlanNumHostTokens];
-  if (plan[kPlanMagicWord] != kPlanMagic || n < 0 || n > padded_rows || nb < 0 || nt < 0) {
+  // Counts are int32 and checked >= 0 first, so plan_words cannot overflow int64.
+  if (plan[kPlanMagicWord] != kPlanMagic || n < 0 || n > padded_rows || nb < 0 || nt < 0 ||
+      plan_words(n, nb, nt) > capacity) {
     v.errors = kErrPlan;
     v.rows = v.blocks = v.tokens = plan + kPlanHeaderWords;
     return v;

@@ -119,13 +119,17 @@ struct SlotState {
   int32_t width = 0;       // block-table columns (Batch::block_table_width)
   int32_t k = 0;           // speculative tokens per decode row, 0..kMaxSpecTokens
   int32_t block_size = 0;  // tokens per KV block
+  // Words of every plan buffer launched with this state (the builder sizes them all alike): the
+  // kernels bound the plan's header counts by it, so a corrupt count cannot send them past it.
+  int64_t plan_words = 0;
 };
 
 inline constexpr int32_t kMaxSpecTokens = 8;
 
 // Error bits (SlotState::errors and the accept result header). A bad plan never makes a kernel
 // read or write out of bounds: the offending row or entry is skipped (rows then look like padding).
-inline constexpr int32_t kErrPlan = 1;          // bad magic, row count or token count
+inline constexpr int32_t kErrPlan = 1;  // bad magic, row count or token count, or counts past
+                                        // the plan buffer (SlotState::plan_words)
 inline constexpr int32_t kErrSlot = 2;          // a row's slot is outside 0..num_slots-1
 inline constexpr int32_t kErrBlockUpdate = 4;   // a block record's slot or index is out of range
 inline constexpr int32_t kErrPosition = 8;      // a position's block is past the table width

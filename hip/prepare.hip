@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kApplyThreads)
 
   const int tid = threadIdx.x;
   const int threads = blockDim.x;
-  const PlanView p = detail::read_plan(plan, padded_rows);
+  const PlanView p = detail::read_plan(plan, padded_rows, s.plan_words);
   const int32_t n = p.num_rows;
   if (tid == 0) {
     num_resets = 0;
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kApplyThreads)
 __global__ void __launch_bounds__(kBuildThreads)
     build_inputs_kernel(const int32_t* plan, SlotState s, StepInputs out, int32_t padded_rows,
                         int32_t padded_tokens) {
-  const PlanView p = detail::read_plan(plan, padded_rows);
+  const PlanView p = detail::read_plan(plan, padded_rows, s.plan_words);
   const int32_t meta_rows = out.meta[kMetaNumRows];
   const int32_t meta_tokens = out.meta[kMetaNumTokens];
   const int32_t n = meta_rows < p.num_rows ? meta_rows : p.num_rows;

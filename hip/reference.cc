@@ -24,6 +24,15 @@ Status make_status(StatusCode code, const char* format, ...) {
   return s;
 }
 
+// Every launch reads the plan's header: the buffer must at least hold one.
+static Status check_plan_capacity(const char* what, const SlotState& state) {
+  if (state.plan_words < kPlanHeaderWords)
+    return make_status(StatusCode::kInvalidArgument,
+                       "%s: state.plan_words=%lld, a plan buffer holds at least %d words", what,
+                       static_cast<long long>(state.plan_words), kPlanHeaderWords);
+  return {};
+}
+
 Status check_prepare_args(const int32_t* plan, const SlotState& state, const StepInputs& out,
                           int32_t padded_rows, int32_t padded_tokens) {
   if (plan == nullptr) return make_status(StatusCode::kInvalidArgument, "prepare: plan is null");
@@ -44,7 +53,7 @@ Status check_prepare_args(const int32_t* plan, const SlotState& state, const Ste
     return make_status(StatusCode::kInvalidArgument,
                        "prepare: padded_rows=%d padded_tokens=%d (need rows >= 1, tokens >= 0)",
                        padded_rows, padded_tokens);
-  return {};
+  return check_plan_capacity("prepare", state);
 }
 
 Status check_accept_args(const int32_t* plan, const SlotState& state, const AcceptInputs& in,
@@ -64,7 +73,7 @@ Status check_accept_args(const int32_t* plan, const SlotState& state, const Acce
     return make_status(StatusCode::kInvalidArgument,
                        "accept: bad sizes (num_slots=%d k=%d padded_rows=%d)", state.num_slots,
                        state.k, padded_rows);
-  return {};
+  return check_plan_capacity("accept", state);
 }
 
 Status check_store_drafts_args(const int32_t* plan, const SlotState& state,
@@ -79,7 +88,7 @@ Status check_store_drafts_args(const int32_t* plan, const SlotState& state,
                        state.k);
   if (state.num_slots < 1 || padded_rows < 1)
     return make_status(StatusCode::kInvalidArgument, "store_drafts: bad sizes");
-  return {};
+  return check_plan_capacity("store_drafts", state);
 }
 
 Status pack_plan(const PlanSource& src, int32_t* out, int64_t capacity_words, int64_t* words) {
@@ -165,7 +174,7 @@ Status apply_plan_ref(const int32_t* plan, const SlotState& state, const StepInp
                       int32_t padded_rows, int32_t padded_tokens, void* /*stream*/) {
   if (Status s = check_prepare_args(plan, state, out, padded_rows, padded_tokens); !s.ok())
     return s;
-  const PlanView p = detail::read_plan(plan, padded_rows);
+  const PlanView p = detail::read_plan(plan, padded_rows, state.plan_words);
   int32_t errors = p.errors;
   const int32_t n = p.num_rows;
   const int32_t k = state.k;
@@ -219,7 +228,7 @@ Status build_inputs_ref(const int32_t* plan, const SlotState& state, const StepI
                         int32_t padded_rows, int32_t padded_tokens, void* /*stream*/) {
   if (Status s = check_prepare_args(plan, state, out, padded_rows, padded_tokens); !s.ok())
     return s;
-  const PlanView p = detail::read_plan(plan, padded_rows);
+  const PlanView p = detail::read_plan(plan, padded_rows, state.plan_words);
   const int32_t n = std::min(out.meta[kMetaNumRows], p.num_rows);
   const int32_t ntok = std::clamp(out.meta[kMetaNumTokens], 0, padded_tokens);
   int32_t errors = 0;
@@ -266,7 +275,7 @@ Status prepare_ref(const int32_t* plan, const SlotState& state, const StepInputs
 Status accept_ref(const int32_t* plan, const SlotState& state, const AcceptInputs& in,
                   int32_t* result, int32_t padded_rows, void* /*stream*/) {
   if (Status s = check_accept_args(plan, state, in, result, padded_rows); !s.ok()) return s;
-  const PlanView p = detail::read_plan(plan, padded_rows);
+  const PlanView p = detail::read_plan(plan, padded_rows, state.plan_words);
   detail::write_result_header(p, state, result);
   for (int32_t r = 0; r < p.num_rows; ++r) detail::accept_row(p, r, state, in, result);
   return {};
@@ -276,7 +285,7 @@ Status store_drafts_ref(const int32_t* plan, const SlotState& state, const int32
                         int32_t* result, int32_t padded_rows, void* /*stream*/) {
   if (Status s = check_store_drafts_args(plan, state, next_drafts, result, padded_rows); !s.ok())
     return s;
-  const PlanView p = detail::read_plan(plan, padded_rows);
+  const PlanView p = detail::read_plan(plan, padded_rows, state.plan_words);
   for (int32_t r = 0; r < p.num_rows; ++r)
     detail::store_drafts_row(p, r, state, next_drafts, result);
   return {};

@@ -186,7 +186,7 @@ void bind_device(py::module_& m) {
                                    "Pointers (ints) to the per-slot device state and its sizes.");
   state.def(py::init([](uintptr_t block_table, uintptr_t computed, uintptr_t last_token,
                         uintptr_t drafts, uintptr_t errors, int32_t num_slots, int32_t width,
-                        int32_t k, int32_t block_size) {
+                        int32_t k, int32_t block_size, int64_t plan_words) {
               dev::SlotState s;
               s.block_table = ptr<int32_t>(block_table);
               s.computed = ptr<int32_t>(computed);
@@ -197,10 +197,11 @@ void bind_device(py::module_& m) {
               s.width = width;
               s.k = k;
               s.block_size = block_size;
+              s.plan_words = plan_words;
               return s;
             }),
             py::kw_only(), "block_table"_a, "computed"_a, "last_token"_a, "drafts"_a, "errors"_a,
-            "num_slots"_a, "width"_a, "k"_a, "block_size"_a);
+            "num_slots"_a, "width"_a, "k"_a, "block_size"_a, "plan_words"_a);
   def_ptr(state, "block_table", &dev::SlotState::block_table);
   def_ptr(state, "computed", &dev::SlotState::computed);
   def_ptr(state, "last_token", &dev::SlotState::last_token);
@@ -209,7 +210,8 @@ void bind_device(py::module_& m) {
   state.def_readwrite("num_slots", &dev::SlotState::num_slots)
       .def_readwrite("width", &dev::SlotState::width)
       .def_readwrite("k", &dev::SlotState::k)
-      .def_readwrite("block_size", &dev::SlotState::block_size);
+      .def_readwrite("block_size", &dev::SlotState::block_size)
+      .def_readwrite("plan_words", &dev::SlotState::plan_words);
 
   py::class_<dev::StepInputs> inputs(m, "DeviceStepInputs",
                                      "Pointers (ints) to prepare's output buffers.");

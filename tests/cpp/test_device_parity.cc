@@ -349,7 +349,7 @@ class Driver {
     const int32_t n = plan[kPlanNumRows];
     int32_t* row_words = plan.data() + kPlanHeaderWords;
     int32_t* blocks = row_words + static_cast<int64_t>(kPlanRowWords) * n;
-    switch (uni(0, 7)) {
+    switch (uni(0, 8)) {
       case 0:
         plan[kPlanMagicWord] ^= 1 << uni(0, 30);
         return kErrPlan;
@@ -392,6 +392,9 @@ class Driver {
         }
         return 0;
       }
+      case 7:  // counts that reach past the plan buffer (SlotState::plan_words)
+        plan[chance(2) ? kPlanNumBlockUpdates : kPlanNumHostTokens] += uni(1, 1 << 30);
+        return kErrPlan;
       default:
         plan[kPlanNumBlockUpdates] = -uni(1, 100);
         return kErrPlan;
@@ -460,6 +463,9 @@ class Driver {
     int32_t want_error = 0;
     if (corrupted) want_error = corrupt(plan, prow, rows);
     const std::vector<int32_t> plan_copy = plan;
+    // The launches may read the packed words, never the canary after them.
+    kernel_->state.plan_words = ref_->state.plan_words =
+        static_cast<int64_t>(plan.size() - kCanary);
     World::Saved saved_kernel, saved_ref;
     if (corrupted) {
       saved_kernel = kernel_->save();

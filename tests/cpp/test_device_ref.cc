@@ -51,6 +51,11 @@ struct Buffers {
            qsl.data(),        cu_k.data(),      out_table.data(),    logits.data(),
            spec.data(),       meta.data()};
   }
+  /// The plan a launch reads: its buffer's size becomes the state's plan capacity.
+  const int32_t* use(const std::vector<int32_t>& plan) {
+    state.plan_words = static_cast<int64_t>(plan.size());
+    return plan.data();
+  }
   std::vector<int32_t> table, computed, last, drafts, errors;
   std::vector<int32_t> input_ids;
   std::vector<int64_t> positions, slot_mapping;
@@ -188,7 +193,7 @@ TEST(DeviceRef, WorkedExampleMixedRowsWithPadding) {
   RowSpec pre{.slot = 0, .q = 3, .prefill = true, .reset = true, .emits = true, .start = 4,
               .tokens = {70, 71, 72}, .new_block_start = 0, .new_blocks = {3, 9}};
   const std::vector<int32_t> plan = pack({dec, pre});
-  ASSERT_TRUE(prepare_ref(plan.data(), b.state, b.out, 4, 16, nullptr).ok());
+  ASSERT_TRUE(prepare_ref(b.use(plan), b.state, b.out, 4, 16, nullptr).ok());
 
   EXPECT_EQ(std::vector<int32_t>(b.input_ids.begin(), b.input_ids.begin() + 8),
             (std::vector<int32_t>{40, 41, 42, 70, 71, 72, 0, 0}));
@@ -216,7 +221,7 @@ TEST(DeviceRef, WorkedExampleMixedRowsWithPadding) {
   std::vector<int32_t> target = {41, 90, 91, /*prefill row*/ 80, 81, 82};
   std::vector<int32_t> next = {43, 44, 83, 84};
   AcceptInputs in{target.data(), next.data(), nullptr, nullptr, nullptr};
-  ASSERT_TRUE(accept_ref(plan.data(), b.state, in, b.result.data(), 4, nullptr).ok());
+  ASSERT_TRUE(accept_ref(b.use(plan), b.state, in, b.result.data(), 4, nullptr).ok());
   const std::vector<int32_t> res(b.result.begin(), b.result.begin() + result_words(2, 2));
   EXPECT_EQ(res, (std::vector<int32_t>{2, 0, 2, 0,              // header
                                        41, 90, -1, 80, -1, -1,  // tokens
@@ -338,7 +343,7 @@ TEST_P(DeviceRefRandom, MatchesTheShadowModelStepAfterStep) {
     for (const RowSpec& r : rows) ntok += r.q;
     const int32_t prow = sc.pad ? std::min(max_rows, n + uni(0, 3)) : n;
     const int32_t ptok = sc.pad ? std::min(max_tokens, ntok + uni(0, 9)) : ntok;
-    ASSERT_TRUE(prepare_ref(plan.data(), b.state, b.out, prow, ptok, nullptr).ok());
+    ASSERT_TRUE(prepare_ref(b.use(plan), b.state, b.out, prow, ptok, nullptr).ok());
     ASSERT_EQ(b.errors[0], 0) << "step " << step;
 
     // Expected inputs from the shadow.
@@ -432,9 +437,9 @@ TEST_P(DeviceRefRandom, MatchesTheShadowModelStepAfterStep) {
     // Half the time the drafts arrive later, through store_drafts.
     const bool later = K > 0 && uni(0, 1) == 0;
     if (later) in.next_drafts = nullptr;
-    ASSERT_TRUE(accept_ref(plan.data(), b.state, in, b.result.data(), prow, nullptr).ok());
+    ASSERT_TRUE(accept_ref(b.use(plan), b.state, in, b.result.data(), prow, nullptr).ok());
     if (later) {
-      ASSERT_TRUE(store_drafts_ref(plan.data(), b.state, next.data(), b.result.data(), prow,
+      ASSERT_TRUE(store_drafts_ref(b.use(plan), b.state, next.data(), b.result.data(), prow,
                                    nullptr).ok());
     }
     const int32_t* res = b.result.data();
@@ -519,7 +524,7 @@ TEST(DeviceRef, BadPlansSetErrorBitsAndLookLikePadding) {
              .new_block_start = 0, .new_blocks = {1}};
   RowSpec bad_slot{.slot = 9, .q = 2};
   std::vector<int32_t> plan = pack({ok, bad_slot});
-  ASSERT_TRUE(prepare_ref(plan.data(), b.state, b.out, 2, 4, nullptr).ok());
+  ASSERT_TRUE(prepare_ref(b.use(plan), b.state, b.out, 2, 4, nullptr).ok());
   EXPECT_EQ(b.errors[0], kErrSlot);
   EXPECT_EQ(b.slot_mapping[2], -1);
   EXPECT_EQ(b.input_ids[2], 0);
@@ -527,14 +532,14 @@ TEST(DeviceRef, BadPlansSetErrorBitsAndLookLikePadding) {
   b.errors[0] = 0;
   RowSpec far{.slot = 1, .q = 2, .new_block_start = 3, .new_blocks = {4}};  // index 3 >= width
   plan = pack({far});
-  ASSERT_TRUE(prepare_ref(plan.data(), b.state, b.out, 1, 2, nullptr).ok());
+  ASSERT_TRUE(prepare_ref(b.use(plan), b.state, b.out, 1, 2, nullptr).ok());
   EXPECT_EQ(b.errors[0] & kErrBlockUpdate, kErrBlockUpdate);
 
   b.errors[0] = 0;
   b.computed[1] = 11;  // positions 11, 12: block 2 is in the table, 3 is past width 3
   RowSpec wide{.slot = 1, .q = 2};
   plan = pack({wide});
-  ASSERT_TRUE(prepare_ref(plan.data(), b.state, b.out, 1, 2, nullptr).ok());
+  ASSERT_TRUE(prepare_ref(b.use(plan), b.state, b.out, 1, 2, nullptr).ok());
   EXPECT_EQ(b.errors[0], kErrPosition);
   EXPECT_EQ(b.slot_mapping[1], -1);
 
@@ -542,26 +547,36 @@ TEST(DeviceRef, BadPlansSetErrorBitsAndLookLikePadding) {
   RowSpec too_many{.slot = 1, .q = 3};  // K = 1: at most 2 tokens per decode row
   plan = pack({too_many});
   b.computed[1] = 0;
-  ASSERT_TRUE(prepare_ref(plan.data(), b.state, b.out, 1, 3, nullptr).ok());
+  ASSERT_TRUE(prepare_ref(b.use(plan), b.state, b.out, 1, 3, nullptr).ok());
   EXPECT_EQ(b.errors[0], kErrDecodeWidth);
 
   b.errors[0] = 0;
   plan = pack({ok});
   plan[kPlanMagicWord] = 0;
-  ASSERT_TRUE(prepare_ref(plan.data(), b.state, b.out, 1, 2, nullptr).ok());
+  ASSERT_TRUE(prepare_ref(b.use(plan), b.state, b.out, 1, 2, nullptr).ok());
   EXPECT_EQ(b.errors[0], kErrPlan);
   EXPECT_EQ(b.meta[kMetaNumRows], 0);
   EXPECT_EQ(b.slot_mapping[0], -1);  // everything is padding
 
   b.errors[0] = 0;
   plan = pack({ok});
-  ASSERT_TRUE(prepare_ref(plan.data(), b.state, b.out, 1, 1, nullptr).ok());  // 2 tokens > 1
+  ASSERT_TRUE(prepare_ref(b.use(plan), b.state, b.out, 1, 1, nullptr).ok());  // 2 tokens > 1
   EXPECT_EQ(b.errors[0], kErrPlan);
+
+  // Counts that reach past the plan buffer: kErrPlan, nothing read past it (ASan would say).
+  for (int32_t word : {kPlanNumBlockUpdates, kPlanNumHostTokens}) {
+    b.errors[0] = 0;
+    plan = pack({ok});
+    plan[word] += 1;
+    ASSERT_TRUE(prepare_ref(b.use(plan), b.state, b.out, 1, 2, nullptr).ok());
+    EXPECT_EQ(b.errors[0], kErrPlan) << word;
+    EXPECT_EQ(b.meta[kMetaNumRows], 0);
+  }
 
   // The accept result carries the sticky bits to the host.
   std::vector<int32_t> target(2, 3);
   AcceptInputs in{target.data(), nullptr, nullptr, nullptr, nullptr};
-  ASSERT_TRUE(accept_ref(plan.data(), b.state, in, b.result.data(), 1, nullptr).ok());
+  ASSERT_TRUE(accept_ref(b.use(plan), b.state, in, b.result.data(), 1, nullptr).ok());
   EXPECT_EQ(b.result[1], kErrPlan);
 }
 
@@ -575,20 +590,29 @@ TEST(DeviceStatus, NullPointersAndBadSizesAreInvalidArguments) {
   EXPECT_NE(std::string(s.message).find("plan"), std::string::npos);
   StepInputs out = b.out;
   out.meta = nullptr;
-  EXPECT_EQ(prepare_ref(plan.data(), b.state, out, 1, 1, nullptr).code,
+  EXPECT_EQ(prepare_ref(b.use(plan), b.state, out, 1, 1, nullptr).code,
             StatusCode::kInvalidArgument);
   SlotState st = b.state;
   st.k = kMaxSpecTokens + 1;
   EXPECT_EQ(prepare_ref(plan.data(), st, b.out, 1, 1, nullptr).code,
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(prepare_ref(plan.data(), b.state, b.out, 0, 1, nullptr).code,
+  st = b.state;
+  st.plan_words = kPlanHeaderWords - 1;  // no room for even the header
+  s = prepare_ref(plan.data(), st, b.out, 1, 1, nullptr);
+  EXPECT_EQ(s.code, StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message).find("plan_words"), std::string::npos);
+  std::vector<int32_t> tokens(4, 1);
+  EXPECT_EQ(accept_ref(plan.data(), st, AcceptInputs{tokens.data()}, b.result.data(), 1, nullptr)
+                .code,
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(prepare_ref(b.use(plan), b.state, b.out, 0, 1, nullptr).code,
             StatusCode::kInvalidArgument);
   std::vector<float> p(4, 0.5f);
   std::vector<int32_t> target(4, 1);
   AcceptInputs half{target.data(), nullptr, p.data(), nullptr, p.data()};
-  EXPECT_EQ(accept_ref(plan.data(), b.state, half, b.result.data(), 1, nullptr).code,
+  EXPECT_EQ(accept_ref(b.use(plan), b.state, half, b.result.data(), 1, nullptr).code,
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(store_drafts_ref(plan.data(), b.state, nullptr, b.result.data(), 1, nullptr).code,
+  EXPECT_EQ(store_drafts_ref(b.use(plan), b.state, nullptr, b.result.data(), 1, nullptr).code,
             StatusCode::kInvalidArgument);
 }
 
@@ -596,7 +620,7 @@ TEST(DeviceStatus, LaunchersNeverThrowAndSayWhyTheyCannotRun) {
   Buffers b(2, 3, 1, 4, 4, 16);
   const std::vector<int32_t> plan = pack({RowSpec{.slot = 0, .q = 1}});
   // Host pointers are never dereferenced by a launcher that cannot run.
-  const Status s = launch_prepare(plan.data(), b.state, b.out, 1, 1, nullptr);
+  const Status s = launch_prepare(b.use(plan), b.state, b.out, 1, 1, nullptr);
   if (std::string(backend_name()) == "none") {
     EXPECT_EQ(s.code, StatusCode::kNotCompiled);
     EXPECT_NE(std::string(s.message).find("no GPU back end"), std::string::npos);

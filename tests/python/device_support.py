@@ -388,7 +388,7 @@ class Buffers:
             block_table=self.table.data_ptr(), computed=self.computed.data_ptr(),
             last_token=self.last.data_ptr(), drafts=self.drafts.data_ptr(),
             errors=self.errors.data_ptr(), num_slots=case.num_slots, width=case.width,
-            k=case.k, block_size=case.block_size,
+            k=case.k, block_size=case.block_size, plan_words=int(self.plan.numel()),
         )
         self.outputs = _core.DeviceStepInputs(**{k: v.data_ptr() for k, v in self.out.items()})
 
