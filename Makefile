@@ -146,7 +146,7 @@ check-hip: $(HIP_DIR)/build.ninja
 	$(VPY) scripts/check_gpu_module.py $(HIP_DIR) hip
 
 # ---- HIP-CPU: the real kernels executed on the CPU (docs/device.md) -------------------------------
-# The .hip sources built by g++ against AMD's HIP CPU Runtime (../shared/third_party/hip-cpu, TBB),
+# The .hip sources built by g++ against AMD's HIP CPU Runtime (third_party/hip-cpu, vendored; TBB),
 # then the parity driver (tests/cpp/test_device_parity.cc) against the CPU references, for warp
 # sizes 32 and 64.
 HIP_CPU_BUILD := build/hip_cpu
