@@ -17,6 +17,7 @@ See docs/api.md for the full contract. The short version::
 """
 
 from ._core import (
+    NULL_BLOCK,
     Batch,
     ConnectorRequest,
     DeviceError,
@@ -37,6 +38,7 @@ from .device import AcceptResult, DeviceBatchBuilder, DeviceInputs
 __version__ = "0.1.0"
 
 __all__ = [
+    "NULL_BLOCK",
     "AcceptResult",
     "Batch",
     "ConnectorRequest",

@@ -11,6 +11,7 @@ _FloatArray = Sequence[float] | npt.NDArray[np.floating]
 
 class InvariantError(RuntimeError): ...
 
+NULL_BLOCK: int
 DEVICE_RESULT_HEADER_WORDS: int
 DEVICE_ERROR_BITS: dict[int, str]
 
@@ -297,6 +298,8 @@ class Scheduler:
     def num_free_blocks(self) -> int: ...
     @property
     def num_blocks(self) -> int: ...
+    @property
+    def num_usable_blocks(self) -> int: ...
     @property
     def kv_usage(self) -> float: ...
 

@@ -454,7 +454,8 @@ def _check_decode_step(s: Scheduler, b: Any, out: Any, n: int, k: int, acc: np.n
     cached = np.asarray(b.num_cached_tokens)
     # K+1 tokens a row, fewer where a position would reach min(max_model_len, pool positions).
     cfg = s.config
-    limit = min(int(cfg.max_model_len), int(cfg.num_blocks) * int(cfg.block_size))
+    # Positions a request may reach: every block but the null one (docs/design.md).
+    limit = min(int(cfg.max_model_len), (int(cfg.num_blocks) - 1) * int(cfg.block_size))
     widths = np.minimum(k + 1, limit - cached.astype(np.int64))
     _require(bool(np.all(widths >= 1)), "a decode row at the position limit")
     _require(b.num_tokens == int(widths.sum()),

@@ -108,9 +108,13 @@ Status pack_plan(const PlanSource& src, int32_t* out, int64_t capacity_words, in
 
 // ---- Persistent per-slot device state ----------------------------------------------------------
 
+/// The block every table entry past a request's blocks holds: the scheduler's null block, never
+/// allocated (atom_sched::kNullBlock, block_pool.h; docs/design.md "block-table contract").
+inline constexpr int32_t kNullBlock = 0;
+
 /// Device pointers (owned by the caller) to the state of num_slots request slots.
 struct SlotState {
-  int32_t* block_table = nullptr;  // [num_slots, width] block ids, 0 past a request's blocks
+  int32_t* block_table = nullptr;  // [num_slots, width] block ids, kNullBlock past a request's
   int32_t* computed = nullptr;     // [num_slots] KV positions computed, exact on the device
   int32_t* last_token = nullptr;   // [num_slots] the last accepted token (next decode input)
   int32_t* drafts = nullptr;       // [num_slots, k] draft tokens (next decode inputs 1..k)
@@ -146,7 +150,7 @@ struct StepInputs {
   int32_t* seq_lens = nullptr;             // [padded_rows] context lengths; pad 0
   int32_t* query_start_loc = nullptr;      // [padded_rows + 1] cu_seqlens_q; pad repeats the total
   int32_t* cu_seqlens_k = nullptr;         // [padded_rows + 1]; pad repeats the total
-  int32_t* block_table = nullptr;          // [padded_rows, width] batch order; pad rows 0
+  int32_t* block_table = nullptr;          // [padded_rows, width] batch order; kNullBlock pads
   int32_t* logits_indices = nullptr;       // [padded_rows] last token of each row
   int32_t* spec_logits_indices = nullptr;  // [padded_rows, k + 1] tokens whose logits verify
   int32_t* meta = nullptr;                 // [kMetaWords]

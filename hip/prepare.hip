@@ -114,11 +114,13 @@ __global__ void __launch_bounds__(kApplyThreads)
     }
     carry_q += tile_q;
     carry_k += tile_k;
-    // Zero the tables of this tile's reset slots, all threads together (rare: admissions only).
+    // Reset this tile's reset slots' tables to kNullBlock, all threads together (rare: admissions
+    // only).
     // block_scan2 ended with a barrier, so every reset slot of the tile is listed.
     const int64_t zero_words = static_cast<int64_t>(num_resets) * s.width;
     for (int64_t i = tid; i < zero_words; i += threads)
-      s.block_table[static_cast<int64_t>(reset_slots[i / s.width]) * s.width + i % s.width] = 0;
+      s.block_table[static_cast<int64_t>(reset_slots[i / s.width]) * s.width + i % s.width] =
+          kNullBlock;
     __syncthreads();
     if (tid == 0) num_resets = 0;
     __syncthreads();
@@ -175,7 +177,7 @@ __global__ void __launch_bounds__(kBuildThreads)
     } else {
       const int64_t e = idx - padded_tokens;
       const int32_t r = static_cast<int32_t>(e / width);
-      int32_t v = 0;
+      int32_t v = kNullBlock;
       if (r < n) {
         const int32_t slot = p.rows[static_cast<int64_t>(kPlanRowWords) * r];
         if (slot >= 0 && slot < s.num_slots) v = s.block_table[slot * width + e % width];

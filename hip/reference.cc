@@ -182,7 +182,8 @@ Status apply_plan_ref(const int32_t* plan, const SlotState& state, const StepInp
   for (int32_t r = 0; r < n; ++r) {
     const Row row = detail::read_row(p, r, state.num_slots);
     if (row.valid && (row.flags & kRowReset))
-      std::fill_n(state.block_table + static_cast<int64_t>(row.slot) * state.width, state.width, 0);
+      std::fill_n(state.block_table + static_cast<int64_t>(row.slot) * state.width, state.width,
+                  kNullBlock);
   }
   int32_t q_total = 0, k_total = 0, max_q = 0, max_k = 0;
   out.query_start_loc[0] = 0;
@@ -249,7 +250,7 @@ Status build_inputs_ref(const int32_t* plan, const SlotState& state, const StepI
       std::copy_n(state.block_table + static_cast<int64_t>(row.slot) * state.width, state.width,
                   dst);
     } else {
-      std::fill_n(dst, state.width, 0);
+      std::fill_n(dst, state.width, kNullBlock);
     }
   }
   for (int32_t t = ntok; t < padded_tokens; ++t) {
@@ -258,7 +259,7 @@ Status build_inputs_ref(const int32_t* plan, const SlotState& state, const StepI
     out.slot_mapping[t] = -1;
   }
   std::fill(out.block_table + static_cast<int64_t>(n) * state.width,
-            out.block_table + static_cast<int64_t>(padded_rows) * state.width, 0);
+            out.block_table + static_cast<int64_t>(padded_rows) * state.width, kNullBlock);
   *state.errors |= errors;
   return {};
 }

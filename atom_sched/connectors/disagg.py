@@ -97,6 +97,7 @@ def _state(eng: Any, conn: Any) -> dict[str, Any]:
     s = eng.scheduler
     return {
         "num_blocks": s.num_blocks,
+        "num_usable_blocks": s.num_usable_blocks,
         "num_free_blocks": s.num_free_blocks,
         "num_waiting": s.num_waiting,
         "num_running": s.num_running,

@@ -33,7 +33,8 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
                    help="tokenize prompts as plain text instead of the chat template")
     e = g.add_argument_group("engine")
     e.add_argument("--kv-blocks", type=int, default=512,
-                   help="KV pool size in blocks (default 512; small values force preemption)")
+                   help="KV pool size in blocks, the null block 0 included (default 512; small "
+                        "values force preemption)")
     e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     e.add_argument("--chunk-size", type=int, default=256,
                    help="token budget per step = prefill chunk size (default 256)")

@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "atom_sched/block_pool.h"
 #include "atom_sched_kernels.h"
 #include "bindings.h"
 
@@ -151,6 +152,9 @@ void def_ptr(Cls& cls, const char* name, T* C::*field) {
 }
 
 }  // namespace
+
+// The scheduler pads block tables with its null block and the kernels with theirs: one value.
+static_assert(atom_sched::kNullBlock == dev::kNullBlock, "host and device null blocks differ");
 
 void bind_device(py::module_& m) {
   py::register_exception<DeviceFailure>(m, "DeviceError", PyExc_RuntimeError);

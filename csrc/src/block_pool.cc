@@ -35,20 +35,23 @@ BlockPool::BlockPool(int32_t num_blocks, int32_t block_size, bool enable_prefix_
       events_enabled_(enable_events),
       num_state_slots_(num_state_slots),
       map_(std::max(num_blocks, 1)) {
-  require(num_blocks > 0, "num_blocks must be > 0, got " + std::to_string(num_blocks));
+  require(num_blocks >= 2, "num_blocks must be >= 2 (block 0 is the null block), got " +
+                               std::to_string(num_blocks));
   require(block_size > 0, "block_size must be > 0, got " + std::to_string(block_size));
   require(num_state_slots >= 0,
           "num_state_slots must be >= 0, got " + std::to_string(num_state_slots));
   ref_count_.assign(num_blocks, 0);
   free_prev_.resize(num_blocks);
   free_next_.resize(num_blocks);
-  for (int32_t b = 0; b < num_blocks; ++b) {
-    free_prev_[b] = b - 1;
+  // The free list holds 1..num_blocks-1 in order; the null block is never on it.
+  free_prev_[kNullBlock] = free_next_[kNullBlock] = -1;
+  for (int32_t b = 1; b < num_blocks; ++b) {
+    free_prev_[b] = b - 1 >= 1 ? b - 1 : -1;
     free_next_[b] = b + 1 < num_blocks ? b + 1 : -1;
   }
-  free_head_ = 0;
+  free_head_ = 1;
   free_tail_ = num_blocks - 1;
-  num_free_ = num_blocks;
+  num_free_ = num_blocks - 1;
   hash_.assign(num_blocks, 0);
   has_hash_.assign(num_blocks, 0);
   if (prefix_caching_) block_tokens_.assign(static_cast<size_t>(num_blocks) * block_size, 0);
@@ -58,7 +61,7 @@ BlockPool::BlockPool(int32_t num_blocks, int32_t block_size, bool enable_prefix_
 }
 
 double BlockPool::usage() const noexcept {
-  return static_cast<double>(num_blocks_ - num_free_) / num_blocks_;
+  return static_cast<double>(num_used_blocks()) / num_usable_blocks();
 }
 
 bool BlockPool::tokens_match(int32_t block, std::span<const int32_t> tokens) const {
@@ -245,7 +248,7 @@ void BlockPool::check_invariants(std::span<const int32_t> expected_refs) const {
   std::vector<uint8_t> on_list(num_blocks_, 0);
   int32_t count = 0, prev = -1;
   for (int32_t b = free_head_; b >= 0; b = free_next_[b]) {
-    check(b < num_blocks_, "free list holds an out-of-range id");
+    check(b > kNullBlock && b < num_blocks_, "free list holds the null block or a bad id");
     check(!on_list[b], "block " + std::to_string(b) + " twice on the free list");
     check(free_prev_[b] == prev, "free list back link broken at block " + std::to_string(b));
     on_list[b] = 1;
@@ -255,7 +258,11 @@ void BlockPool::check_invariants(std::span<const int32_t> expected_refs) const {
   check(prev == free_tail_, "free list tail is wrong");
   check(count == num_free_, "free count " + std::to_string(num_free_) + " != list length " +
                                 std::to_string(count));
-  for (int32_t b = 0; b < num_blocks_; ++b) {
+  check(ref_count_[kNullBlock] == 0 && !has_hash_[kNullBlock],
+        "the null block is held by a request or cached");
+  if (!expected_refs.empty())
+    check(expected_refs[kNullBlock] == 0, "a request table holds the null block");
+  for (int32_t b = 1; b < num_blocks_; ++b) {
     check(ref_count_[b] >= 0, "negative ref count on block " + std::to_string(b));
     check((ref_count_[b] == 0) == (on_list[b] != 0),
           "block " + std::to_string(b) + " ref count " + std::to_string(ref_count_[b]) +

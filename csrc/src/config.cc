@@ -18,7 +18,8 @@ std::string got(int64_t v) { return ", got " + std::to_string(v); }
 }  // namespace
 
 void SchedulerConfig::validate() const {
-  require(num_blocks >= 1, "num_blocks must be >= 1" + got(int64_t{num_blocks}));
+  require(num_blocks >= 2, "num_blocks must be >= 2 (block 0 is the null block)" +
+                               got(int64_t{num_blocks}));
   require(block_size >= 1, "block_size must be >= 1" + got(int64_t{block_size}));
   require(max_num_seqs >= 1, "max_num_seqs must be >= 1" + got(int64_t{max_num_seqs}));
   require(max_num_batched_tokens >= 1,

@@ -31,7 +31,8 @@ Scheduler::Scheduler(SchedulerConfig config)
       k_(config_.num_speculative_tokens),
       table_width_(config_.max_blocks_per_request()),
       pool_positions_(static_cast<int32_t>(std::min<int64_t>(
-          int64_t{config_.num_blocks} * config_.block_size, std::numeric_limits<int32_t>::max()))),
+          int64_t{config_.num_blocks - 1} * config_.block_size,
+          std::numeric_limits<int32_t>::max()))),
       position_limit_(std::min(config_.max_model_len, pool_positions_)),
       pool_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching,
             config_.enable_kv_events, config_.num_state_slots) {
@@ -52,7 +53,7 @@ Scheduler::Scheduler(SchedulerConfig config)
     b.emits_token.resize(rows);
     b.row_exact.resize(rows);
     b.state_slots.resize(rows);
-    b.block_tables.assign(rows * table_width_, 0);
+    b.block_tables.assign(rows * table_width_, kNullBlock);
     b.spec_draft_tokens.resize(rows * k_);
     b.cu_seqlens_q.assign(rows + 1, 0);
     b.cu_seqlens_k.assign(rows + 1, 0);
@@ -310,10 +311,11 @@ std::optional<std::string> Scheduler::unschedulable_reason(const Request& r) con
            std::to_string(config_.max_num_batched_tokens) +
            ". Increase max_num_batched_tokens, enable chunked prefill, or shorten the prompt.";
   const int32_t blocks = ceil_div(n, config_.block_size);
-  if (blocks > pool_.num_blocks())
+  if (blocks > pool_.num_usable_blocks())
     return "needs " + std::to_string(blocks) + " KV blocks for " + std::to_string(n) +
-           " input tokens > num_blocks=" + std::to_string(pool_.num_blocks()) +
-           ". Shorten the prompt or increase num_blocks.";
+           " input tokens > the pool's " + std::to_string(pool_.num_usable_blocks()) +
+           " (num_blocks=" + std::to_string(pool_.num_blocks()) +
+           " less the null block). Shorten the prompt or increase num_blocks.";
   return std::nullopt;
 }
 
@@ -672,7 +674,8 @@ void Scheduler::begin_batch(Batch& b, bool is_prefill) {
     if (from == size) return;  // the common decode step: nothing new
   }
   int32_t* dst = b.block_tables.data() + static_cast<size_t>(row) * table_width_;
-  if (!same_owner && b.row_filled[row] > size) std::fill(dst + size, dst + b.row_filled[row], 0);
+  if (!same_owner && b.row_filled[row] > size)
+    std::fill(dst + size, dst + b.row_filled[row], kNullBlock);
   std::copy(r.block_table.begin() + from, r.block_table.end(), dst + from);
   b.row_filled[row] = size;
 }

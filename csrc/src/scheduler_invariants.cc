@@ -24,7 +24,14 @@ void Scheduler::check_invariants() const {
                               kMaxOutstandingBatches];
     check(b.num_rows <= config_.max_num_seqs, "batch has more rows than max_num_seqs");
     check(b.num_tokens <= config_.max_num_batched_tokens, "batch exceeds the token budget");
-    for (int32_t row = 0; row < b.num_rows; ++row) ++inflight[b.request_index[row]];
+    for (int32_t row = 0; row < b.num_rows; ++row) {
+      ++inflight[b.request_index[row]];
+      // The block-table contract: past the row's blocks, every entry is the null block.
+      const int32_t* t = b.block_tables.data() + static_cast<size_t>(row) * table_width_;
+      check(std::all_of(t + b.row_filled[row], t + table_width_,
+                        [](int32_t id) { return id == kNullBlock; }),
+            "a batch row's block table is not padded with the null block");
+    }
   }
   int32_t live = 0, partial = 0;
   std::vector<uint8_t> device_slot_used(config_.max_num_seqs, 0);
@@ -37,7 +44,8 @@ void Scheduler::check_invariants() const {
     check(static_cast<int32_t>(r.block_table.size()) <= table_width_,
           who + "block table wider than a batch row");
     for (int32_t blk : r.block_table) {
-      check(blk >= 0 && blk < pool_.num_blocks(), who + "block id out of range");
+      check(blk > kNullBlock && blk < pool_.num_blocks(),
+            who + (blk == kNullBlock ? "holds the null block" : "block id out of range"));
       check(!seen_in_table[blk], who + "holds block " + std::to_string(blk) + " twice");
       seen_in_table[blk] = 1;
       ++refs[blk];

@@ -30,9 +30,11 @@ using test::Seq;
 using test::V;
 using V64 = std::vector<int64_t>;
 
-inline SchedulerConfig Cfg(int32_t num_blocks, int32_t block_size = 4) {
+/// `usable_blocks`: blocks requests can hold; the pool has one more id, the null block 0, so the
+/// ids handed out are 1..usable_blocks (docs/design.md, "block-table contract").
+inline SchedulerConfig Cfg(int32_t usable_blocks, int32_t block_size = 4) {
   SchedulerConfig c;
-  c.num_blocks = num_blocks;
+  c.num_blocks = usable_blocks + 1;
   c.block_size = block_size;
   c.max_num_seqs = 16;
   c.max_num_batched_tokens = 256;

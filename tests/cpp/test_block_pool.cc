@@ -50,7 +50,7 @@ void Check(const BlockPool& pool, std::initializer_list<const V*> tables) {
     used += refs[b] > 0;
   }
   EXPECT_EQ(pool.num_used_blocks(), used);
-  EXPECT_EQ(pool.num_free_blocks(), pool.num_blocks() - used);
+  EXPECT_EQ(pool.num_free_blocks(), pool.num_usable_blocks() - used);
   EXPECT_EQ(static_cast<int32_t>(pool.free_list().size()), pool.num_free_blocks());
 }
 
@@ -83,20 +83,21 @@ void ExpectStored(const KvEvent& e, const H& hashes, std::optional<uint64_t> par
 }
 
 TEST(BlockPoolTest, InitialState) {
-  BlockPool pool(6, 4, true, true);
+  BlockPool pool(7, 4, true, true);
   Check(pool, {});
-  EXPECT_EQ(pool.num_blocks(), 6);
+  EXPECT_EQ(pool.num_blocks(), 7);
+  EXPECT_EQ(pool.num_usable_blocks(), 6);
   EXPECT_EQ(pool.block_size(), 4);
   EXPECT_TRUE(pool.prefix_caching());
   EXPECT_TRUE(pool.events_enabled());
   EXPECT_EQ(pool.num_free_blocks(), 6);
   EXPECT_EQ(pool.num_used_blocks(), 0);
   EXPECT_DOUBLE_EQ(pool.usage(), 0.0);
-  EXPECT_EQ(pool.free_list(), Seq(0, 6));
+  EXPECT_EQ(pool.free_list(), Seq(1, 6));  // every block but the null block
   EXPECT_EQ(pool.num_cached_hashes(), 0);
   EXPECT_EQ(pool.num_state_slots(), 0);
   EXPECT_EQ(pool.num_free_state_slots(), 0);
-  for (int32_t b = 0; b < 6; ++b) {
+  for (int32_t b = 0; b < 7; ++b) {
     EXPECT_EQ(pool.ref_count(b), 0);
     EXPECT_FALSE(pool.is_cached(b));
   }
@@ -105,50 +106,75 @@ TEST(BlockPoolTest, InitialState) {
 
 TEST(BlockPoolTest, ConstructorRejectsBadArguments) {
   EXPECT_THROW(BlockPool(0, 4, true, false), InvalidArgument);
+  EXPECT_THROW(BlockPool(1, 4, true, false), InvalidArgument);  // the null block alone
   EXPECT_THROW(BlockPool(-3, 4, true, false), InvalidArgument);
   EXPECT_THROW(BlockPool(4, 0, true, false), InvalidArgument);
   EXPECT_THROW(BlockPool(4, -1, true, false), InvalidArgument);
   EXPECT_THROW(BlockPool(4, 4, true, false, -1), InvalidArgument);
-  EXPECT_NO_THROW(BlockPool(1, 1, false, false, 0));
+  EXPECT_NO_THROW(BlockPool(2, 1, false, false, 0));
+}
+
+// Block 0 is the null block that pads every block table: it is never handed out or cached, even
+// when the pool runs dry, is reset, or blocks are freed and reused.
+TEST(BlockPoolTest, NullBlockIsNeverHandedOut) {
+  BlockPool pool(4, 2, true, true, 1);
+  const V p = Seq(100, 6);
+  const H hp = Chain(p, 2);
+  for (int round = 0; round < 3; ++round) {
+    V a;
+    ASSERT_EQ(pool.can_allocate(hp, p, 6, false), round == 1 ? 2 : 0);
+    pool.allocate(hp, pool.can_allocate(hp, p, 6, false), 6, a);
+    Check(pool, {&a});
+    EXPECT_EQ(pool.num_free_blocks(), 0);
+    EXPECT_EQ(std::count(a.begin(), a.end(), kNullBlock), 0);
+    EXPECT_FALSE(pool.grow(a, 4));  // the null block does not count as free
+    pool.publish(a, hp, p, 0, 3);
+    EXPECT_FALSE(pool.is_cached(kNullBlock));
+    pool.free(a);
+    Check(pool, {});
+    if (round == 1) pool.reset_prefix_cache();
+  }
+  EXPECT_EQ(pool.ref_count(kNullBlock), 0);
+  EXPECT_DOUBLE_EQ(pool.usage(), 0.0);
 }
 
 TEST(BlockPoolTest, AllocateAndFreeRefCounts) {
-  BlockPool pool(6, 4, true, false);
+  BlockPool pool(7, 4, true, false);
   V a, b;
   pool.allocate({}, 0, 10, a);  // 10 tokens -> 3 blocks
   Check(pool, {&a});
-  EXPECT_EQ(a, (V{0, 1, 2}));
-  EXPECT_EQ(pool.free_list(), (V{3, 4, 5}));
+  EXPECT_EQ(a, (V{1, 2, 3}));
+  EXPECT_EQ(pool.free_list(), (V{4, 5, 6}));
   EXPECT_DOUBLE_EQ(pool.usage(), 0.5);
 
   pool.allocate({}, 0, 4, b);  // exactly one block
   Check(pool, {&a, &b});
-  EXPECT_EQ(b, (V{3}));
-  EXPECT_EQ(pool.free_list(), (V{4, 5}));
+  EXPECT_EQ(b, (V{4}));
+  EXPECT_EQ(pool.free_list(), (V{5, 6}));
 
   // Frees go to the tail, the request's last block first.
   pool.free(a);
   a.clear();
   Check(pool, {&b});
-  EXPECT_EQ(pool.free_list(), (V{4, 5, 2, 1, 0}));
+  EXPECT_EQ(pool.free_list(), (V{5, 6, 3, 2, 1}));
 
   pool.free(b);
   b.clear();
   Check(pool, {});
-  EXPECT_EQ(pool.free_list(), (V{4, 5, 2, 1, 0, 3}));
+  EXPECT_EQ(pool.free_list(), (V{5, 6, 3, 2, 1, 4}));
 
   // Allocation takes the head: the least recently freed blocks.
   V c;
   pool.allocate({}, 0, 8, c);
   Check(pool, {&c});
-  EXPECT_EQ(c, (V{4, 5}));
-  EXPECT_EQ(pool.free_list(), (V{2, 1, 0, 3}));
+  EXPECT_EQ(c, (V{5, 6}));
+  EXPECT_EQ(pool.free_list(), (V{3, 2, 1, 4}));
 }
 
 TEST(BlockPoolTest, CanAllocateReturnsMinusOneWhenShort) {
   for (bool caching : {true, false}) {
     SCOPED_TRACE(caching);
-    BlockPool pool(4, 4, caching, false);
+    BlockPool pool(5, 4, caching, false);
     V a;
     pool.allocate({}, 0, 12, a);
     Check(pool, {&a});
@@ -164,7 +190,7 @@ TEST(BlockPoolTest, CanAllocateReturnsMinusOneWhenShort) {
 }
 
 TEST(BlockPoolTest, CanAllocateCountsHitsAndNeverHitsTheLastBlock) {
-  BlockPool pool(8, 4, true, false);
+  BlockPool pool(9, 4, true, false);
   const V p = Seq(100, 12);
   const H hp = Chain(p, 4);
   V a;
@@ -206,11 +232,11 @@ TEST(BlockPoolTest, CanAllocateCountsHitsAndNeverHitsTheLastBlock) {
 }
 
 TEST(BlockPoolTest, HitOnUsedBlockNeedsNoFreeBlock) {
-  BlockPool pool(4, 4, true, false);
+  BlockPool pool(5, 4, true, false);
   const V p = Seq(100, 12);
   const H hp = Chain(p, 4);
   V a;
-  pool.allocate(hp, 0, 12, a);  // {0,1,2}, still held
+  pool.allocate(hp, 0, 12, a);  // {1,2,3}, still held
   pool.publish(a, hp, p, 0, 3);
   Check(pool, {&a});
   ASSERT_EQ(pool.num_free_blocks(), 1);
@@ -220,18 +246,18 @@ TEST(BlockPoolTest, HitOnUsedBlockNeedsNoFreeBlock) {
   V b;
   pool.allocate(hp, 2, 12, b);
   Check(pool, {&a, &b});
-  EXPECT_EQ(b, (V{0, 1, 3}));
-  EXPECT_EQ(pool.ref_count(0), 2);
+  EXPECT_EQ(b, (V{1, 2, 4}));
   EXPECT_EQ(pool.ref_count(1), 2);
-  EXPECT_EQ(pool.ref_count(2), 1);
+  EXPECT_EQ(pool.ref_count(2), 2);
   EXPECT_EQ(pool.ref_count(3), 1);
+  EXPECT_EQ(pool.ref_count(4), 1);
   EXPECT_EQ(pool.num_free_blocks(), 0);
   // Now even full sharing cannot help: the last block always needs a fresh one.
   EXPECT_EQ(pool.can_allocate(hp, p, 12, false), -1);
 }
 
 TEST(BlockPoolTest, HitOnFreeCachedBlockConsumesAFreeBlock) {
-  BlockPool pool(4, 4, true, true);
+  BlockPool pool(5, 4, true, true);
   const V p = Seq(100, 12);
   const H hp = Chain(p, 4);
   V a;
@@ -240,74 +266,74 @@ TEST(BlockPoolTest, HitOnFreeCachedBlockConsumesAFreeBlock) {
   pool.free(a);
   a.clear();
   Check(pool, {});
-  EXPECT_EQ(pool.free_list(), (V{3, 2, 1, 0}));
-  EXPECT_TRUE(pool.is_cached(0) && pool.is_cached(1) && pool.is_cached(2));
+  EXPECT_EQ(pool.free_list(), (V{4, 3, 2, 1}));
+  EXPECT_TRUE(pool.is_cached(1) && pool.is_cached(2) && pool.is_cached(3));
   (void)pool.take_events();
 
-  // Hits on free-cached blocks 0 and 1 still take 2 free blocks, plus 1 fresh: 3 <= 4.
+  // Hits on free-cached blocks 1 and 2 still take 2 free blocks, plus 1 fresh: 3 <= 4.
   EXPECT_EQ(pool.can_allocate(hp, p, 12, false), 2);
 
-  // Take 2 fresh blocks: the head (3) and then 2, whose cached hash is evicted.
+  // Take 2 fresh blocks: the head (4) and then 3, whose cached hash is evicted.
   V x;
   const V xt = Seq(700, 8);
   pool.allocate(Chain(xt, 4), 0, 8, x);
   Check(pool, {&x});
-  EXPECT_EQ(x, (V{3, 2}));
+  EXPECT_EQ(x, (V{4, 3}));
   EXPECT_EQ(RemovedHashes(pool.take_events()), (H{hp[2]}));
-  EXPECT_FALSE(pool.is_cached(2));
+  EXPECT_FALSE(pool.is_cached(3));
   EXPECT_EQ(pool.cached_block(hp[2]), -1);
   ASSERT_EQ(pool.num_free_blocks(), 2);
 
-  // Blocks 0 and 1 are free-cached hits, and each consumes one of the 2 free blocks: 3 > 2.
+  // Blocks 1 and 2 are free-cached hits, and each consumes one of the 2 free blocks: 3 > 2.
   EXPECT_EQ(pool.can_allocate(hp, p, 12, false), -1);
-  // 8 tokens: only block 0 may hit (1 free-cached) + 1 fresh = 2 <= 2.
+  // 8 tokens: only block 1 may hit (1 free-cached) + 1 fresh = 2 <= 2.
   const V p8(p.begin(), p.begin() + 8);
   const H h8 = Chain(p8, 4);
   EXPECT_EQ(pool.can_allocate(h8, p8, 8, false), 1);
 
-  // Allocating it claims block 0 straight off the free list (no event, hash kept) and takes block
-  // 1 as the fresh block (evicting its hash).
+  // Allocating it claims block 1 straight off the free list (no event, hash kept) and takes block
+  // 2 as the fresh block (evicting its hash).
   V b;
   pool.allocate(h8, 1, 8, b);
   Check(pool, {&x, &b});
-  EXPECT_EQ(b, (V{0, 1}));
-  EXPECT_TRUE(pool.is_cached(0));
-  EXPECT_EQ(pool.cached_block(hp[0]), 0);
-  EXPECT_FALSE(pool.is_cached(1));
+  EXPECT_EQ(b, (V{1, 2}));
+  EXPECT_TRUE(pool.is_cached(1));
+  EXPECT_EQ(pool.cached_block(hp[0]), 1);
+  EXPECT_FALSE(pool.is_cached(2));
   EXPECT_EQ(RemovedHashes(pool.take_events()), (H{hp[1]}));
   EXPECT_TRUE(pool.free_list().empty());
 }
 
 TEST(BlockPoolTest, CacheHitTakesBlockOutOfTheFreeListWithoutDuplicates) {
-  BlockPool pool(8, 4, true, true);
+  BlockPool pool(9, 4, true, true);
   const V p = Seq(100, 12);
   const H hp = Chain(p, 4);
   V a;
-  pool.allocate(hp, 0, 12, a);  // {0,1,2}
+  pool.allocate(hp, 0, 12, a);  // {1,2,3}
   pool.publish(a, hp, p, 0, 3);
   pool.free(a);
   a.clear();
   Check(pool, {});
-  EXPECT_EQ(pool.free_list(), (V{3, 4, 5, 6, 7, 2, 1, 0}));
+  EXPECT_EQ(pool.free_list(), (V{4, 5, 6, 7, 8, 3, 2, 1}));
   (void)pool.take_events();
 
   V b;
   ASSERT_EQ(pool.can_allocate(hp, p, 12, false), 2);
   pool.allocate(hp, 2, 12, b);
   Check(pool, {&b});
-  EXPECT_EQ(b, (V{0, 1, 3}));
-  EXPECT_EQ(pool.free_list(), (V{4, 5, 6, 7, 2}));
-  EXPECT_TRUE(pool.take_events().empty());  // hits evict nothing; block 3 had no hash
+  EXPECT_EQ(b, (V{1, 2, 4}));
+  EXPECT_EQ(pool.free_list(), (V{5, 6, 7, 8, 3}));
+  EXPECT_TRUE(pool.take_events().empty());  // hits evict nothing; block 4 had no hash
 
   pool.free(b);
   b.clear();
   Check(pool, {});
-  // ATOM's deque would now hold 0 and 1 twice (bug 8.29); the intrusive list holds each once.
-  EXPECT_EQ(pool.free_list(), (V{4, 5, 6, 7, 2, 3, 1, 0}));
+  // ATOM's deque would now hold 1 and 2 twice (bug 8.29); the intrusive list holds each once.
+  EXPECT_EQ(pool.free_list(), (V{5, 6, 7, 8, 3, 4, 2, 1}));
 }
 
 TEST(BlockPoolTest, AllocateSharesCachedBlocksWithLiveRequests) {
-  BlockPool pool(8, 4, true, true);
+  BlockPool pool(9, 4, true, true);
   const V p = Seq(100, 12);
   const H hp = Chain(p, 4);
   V a, b;
@@ -317,27 +343,27 @@ TEST(BlockPoolTest, AllocateSharesCachedBlocksWithLiveRequests) {
   ASSERT_EQ(pool.can_allocate(hp, p, 12, false), 2);
   pool.allocate(hp, 2, 12, b);
   Check(pool, {&a, &b});
-  EXPECT_EQ(b, (V{0, 1, 3}));
-  EXPECT_EQ(pool.ref_count(0), 2);
+  EXPECT_EQ(b, (V{1, 2, 4}));
   EXPECT_EQ(pool.ref_count(1), 2);
+  EXPECT_EQ(pool.ref_count(2), 2);
 
   pool.free(a);
   a.clear();
   Check(pool, {&b});
-  EXPECT_EQ(pool.ref_count(0), 1);
   EXPECT_EQ(pool.ref_count(1), 1);
-  EXPECT_EQ(pool.free_list(), (V{4, 5, 6, 7, 2}));
+  EXPECT_EQ(pool.ref_count(2), 1);
+  EXPECT_EQ(pool.free_list(), (V{5, 6, 7, 8, 3}));
   pool.free(b);
   b.clear();
   Check(pool, {});
-  EXPECT_EQ(pool.free_list(), (V{4, 5, 6, 7, 2, 3, 1, 0}));
+  EXPECT_EQ(pool.free_list(), (V{5, 6, 7, 8, 3, 4, 2, 1}));
   const auto events = pool.take_events();
   EXPECT_EQ(OfKind(events, KvEventKind::kBlockStored).size(), 1u);
   EXPECT_TRUE(OfKind(events, KvEventKind::kBlockRemoved).empty());
 }
 
 TEST(BlockPoolTest, PublishRegistersOnlyTheBlocksPassed) {
-  BlockPool pool(8, 4, true, true);
+  BlockPool pool(9, 4, true, true);
   const V p = Seq(100, 14);  // 3 full blocks + 2 tokens
   const H hp = Chain(p, 4);
   V a;
@@ -374,7 +400,7 @@ TEST(BlockPoolTest, PublishRegistersOnlyTheBlocksPassed) {
 }
 
 TEST(BlockPoolTest, PublishingIdenticalContentTwiceRegistersOnce) {
-  BlockPool pool(8, 4, true, true);
+  BlockPool pool(9, 4, true, true);
   const V p = Seq(100, 8);
   const H hp = Chain(p, 4);
   V a, b, c;
@@ -418,43 +444,43 @@ TEST(BlockPoolTest, PublishingIdenticalContentTwiceRegistersOnce) {
 }
 
 TEST(BlockPoolTest, LazyEvictionRecordsBlockRemoved) {
-  BlockPool pool(4, 4, true, true);
+  BlockPool pool(5, 4, true, true);
   const V p = Seq(100, 8);
   const H hp = Chain(p, 4);
   V a;
-  pool.allocate(hp, 0, 8, a);  // {0,1}
+  pool.allocate(hp, 0, 8, a);  // {1,2}
   pool.publish(a, hp, p, 0, 2);
   pool.free(a);
   a.clear();
   Check(pool, {});
-  EXPECT_EQ(pool.free_list(), (V{2, 3, 1, 0}));
+  EXPECT_EQ(pool.free_list(), (V{3, 4, 2, 1}));
   // Freed blocks keep their hashes (free-cached) until handed out fresh.
-  EXPECT_EQ(pool.cached_block(hp[0]), 0);
-  EXPECT_EQ(pool.cached_block(hp[1]), 1);
+  EXPECT_EQ(pool.cached_block(hp[0]), 1);
+  EXPECT_EQ(pool.cached_block(hp[1]), 2);
   EXPECT_EQ(pool.num_cached_hashes(), 2);
   EXPECT_TRUE(RemovedHashes(pool.take_events()).empty());
 
   V x;
-  pool.allocate({}, 0, 12, x);  // takes 2, 3, 1
+  pool.allocate({}, 0, 12, x);  // takes 3, 4, 2
   Check(pool, {&x});
-  EXPECT_EQ(x, (V{2, 3, 1}));
+  EXPECT_EQ(x, (V{3, 4, 2}));
   EXPECT_EQ(RemovedHashes(pool.take_events()), (H{hp[1]}));
-  EXPECT_FALSE(pool.is_cached(1));
+  EXPECT_FALSE(pool.is_cached(2));
   EXPECT_EQ(pool.cached_block(hp[1]), -1);
-  EXPECT_EQ(pool.cached_block(hp[0]), 0);
+  EXPECT_EQ(pool.cached_block(hp[0]), 1);
   EXPECT_EQ(pool.num_cached_hashes(), 1);
 
   V y;
   ASSERT_TRUE(pool.grow(y, 1));  // grow hands out fresh blocks too
   Check(pool, {&x, &y});
-  EXPECT_EQ(y, (V{0}));
+  EXPECT_EQ(y, (V{1}));
   EXPECT_EQ(RemovedHashes(pool.take_events()), (H{hp[0]}));
   EXPECT_EQ(pool.num_cached_hashes(), 0);
-  EXPECT_FALSE(pool.is_cached(0));
+  EXPECT_FALSE(pool.is_cached(1));
 }
 
 TEST(BlockPoolTest, HashCollisionIsNeverAHit) {
-  BlockPool pool(8, 4, true, false);
+  BlockPool pool(9, 4, true, false);
   const V p = Seq(100, 8);
   const H hp = Chain(p, 4);
   V a;
@@ -477,34 +503,34 @@ TEST(BlockPoolTest, HashCollisionIsNeverAHit) {
 }
 
 TEST(BlockPoolTest, GrowFailsWithoutChangingAnything) {
-  BlockPool pool(4, 4, true, false);
+  BlockPool pool(5, 4, true, false);
   V a, b;
-  pool.allocate({}, 0, 4, a);  // {0}
-  pool.allocate({}, 0, 8, b);  // {1,2}
+  pool.allocate({}, 0, 4, a);  // {1}
+  pool.allocate({}, 0, 8, b);  // {2,3}
   Check(pool, {&a, &b});
-  ASSERT_EQ(pool.free_list(), (V{3}));
+  ASSERT_EQ(pool.free_list(), (V{4}));
 
   EXPECT_FALSE(pool.grow(a, 3));
   Check(pool, {&a, &b});
-  EXPECT_EQ(a, (V{0}));
-  EXPECT_EQ(pool.free_list(), (V{3}));
+  EXPECT_EQ(a, (V{1}));
+  EXPECT_EQ(pool.free_list(), (V{4}));
   EXPECT_EQ(pool.num_free_blocks(), 1);
 
   EXPECT_TRUE(pool.grow(a, 2));
   Check(pool, {&a, &b});
-  EXPECT_EQ(a, (V{0, 3}));
+  EXPECT_EQ(a, (V{1, 4}));
   EXPECT_EQ(pool.num_free_blocks(), 0);
 
   EXPECT_TRUE(pool.grow(a, 2));  // already holds 2
   Check(pool, {&a, &b});
-  EXPECT_EQ(a, (V{0, 3}));
+  EXPECT_EQ(a, (V{1, 4}));
   EXPECT_FALSE(pool.grow(b, 3));
   Check(pool, {&a, &b});
-  EXPECT_EQ(b, (V{1, 2}));
+  EXPECT_EQ(b, (V{2, 3}));
 }
 
 TEST(BlockPoolTest, StateSlotsAreLifoAndRunOut) {
-  BlockPool pool(4, 4, true, false, 3);
+  BlockPool pool(5, 4, true, false, 3);
   EXPECT_EQ(pool.num_state_slots(), 3);
   EXPECT_EQ(pool.num_free_state_slots(), 3);
   const int32_t s1 = pool.take_state_slot();
@@ -533,7 +559,7 @@ TEST(BlockPoolTest, StateSlotsAreLifoAndRunOut) {
 }
 
 TEST(BlockPoolTest, ResetPrefixCacheForgetsEveryHash) {
-  BlockPool pool(8, 4, true, true);
+  BlockPool pool(9, 4, true, true);
   const V p = Seq(100, 12);
   const H hp = Chain(p, 4);
   const V q = Seq(300, 8);
@@ -552,7 +578,7 @@ TEST(BlockPoolTest, ResetPrefixCacheForgetsEveryHash) {
   pool.reset_prefix_cache();
   Check(pool, {&a});
   EXPECT_EQ(pool.num_cached_hashes(), 0);
-  for (int32_t blk = 0; blk < 8; ++blk) EXPECT_FALSE(pool.is_cached(blk)) << blk;
+  for (int32_t blk = 0; blk < 9; ++blk) EXPECT_FALSE(pool.is_cached(blk)) << blk;
   for (uint64_t h : hp) EXPECT_EQ(pool.cached_block(h), -1);
   for (uint64_t h : hq) EXPECT_EQ(pool.cached_block(h), -1);
   EXPECT_EQ(pool.can_allocate(hp, p, 12, false), 0);
@@ -579,7 +605,7 @@ TEST(BlockPoolTest, ResetPrefixCacheForgetsEveryHash) {
 }
 
 TEST(BlockPoolTest, EventsDisabledRecordsNothing) {
-  BlockPool pool(4, 4, true, false);
+  BlockPool pool(5, 4, true, false);
   EXPECT_FALSE(pool.events_enabled());
   const V p = Seq(100, 8);
   const H hp = Chain(p, 4);
@@ -596,7 +622,7 @@ TEST(BlockPoolTest, EventsDisabledRecordsNothing) {
 }
 
 TEST(BlockPoolTest, PrefixCachingDisabledNeverHits) {
-  BlockPool pool(4, 4, false, false);
+  BlockPool pool(5, 4, false, false);
   EXPECT_FALSE(pool.prefix_caching());
   const V p = Seq(100, 12);
   const H hp = Chain(p, 4);
@@ -616,7 +642,7 @@ TEST(BlockPoolTest, RandomOperationsKeepInvariants) {
   for (uint32_t seed : {7u, 8u, 9u}) {
     SCOPED_TRACE(seed);
     std::mt19937 rng(seed);
-    BlockPool pool(24, kBs, true, true, 4);
+    BlockPool pool(25, kBs, true, true, 4);
     struct Req {
       V tokens;
       V table;

@@ -66,12 +66,12 @@ TEST(SchedulerTest, AdmissionIsFcfs) {
   EXPECT_EQ(b->max_seqlen_k, 5);
   EXPECT_EQ(b->tokens, Cat(Cat(Seq(100, 3), Seq(200, 5)), Seq(300, 2)));
   EXPECT_EQ(b->positions, (V64{0, 1, 2, 0, 1, 2, 3, 4, 0, 1}));
-  EXPECT_EQ(b->slots, (V64{0, 1, 2, 4, 5, 6, 7, 8, 12, 13}));
+  EXPECT_EQ(b->slots, (V64{4, 5, 6, 8, 9, 10, 11, 12, 16, 17}));
   EXPECT_EQ(b->emits, (std::vector<uint8_t>{1, 1, 1}));
   EXPECT_EQ(b->last_block, (V{3, 1, 2}));
-  EXPECT_EQ(b->table(0, 2), (V{0, 0}));
-  EXPECT_EQ(b->table(1, 3), (V{1, 2, 0}));
-  EXPECT_EQ(b->table(2, 2), (V{3, 0}));
+  EXPECT_EQ(b->table(0, 2), (V{1, 0}));
+  EXPECT_EQ(b->table(1, 3), (V{2, 3, 0}));
+  EXPECT_EQ(b->table(2, 2), (V{4, 0}));
   EXPECT_EQ(h.s.waiting_ids(), V64{});
   EXPECT_EQ(h.s.running_ids(), (V64{7, 3, 5}));
   EXPECT_EQ(h.s.request(3).prefill_target, 5);
@@ -89,7 +89,7 @@ TEST(SchedulerTest, AdmissionIsFcfs) {
   EXPECT_EQ(d->req_ids, (V64{7, 3, 5}));
   EXPECT_EQ(d->positions, (V64{3, 5, 2}));
   EXPECT_EQ(d->tokens, (V{110, 210, 310}));
-  EXPECT_EQ(d->slots, (V64{3, 9, 14}));
+  EXPECT_EQ(d->slots, (V64{7, 13, 18}));
   EXPECT_EQ(d->ctx, (V{4, 6, 3}));
   EXPECT_EQ(d->last_block, (V{4, 2, 3}));
 }
@@ -225,20 +225,20 @@ TEST(SchedulerTest, ChunkedPrefillAcrossSteps) {
   auto s0 = h.sched();
   ASSERT_TRUE(s0);
   EXPECT_EQ(h.upd(*s0, {5}).why(9), "max_tokens");
-  EXPECT_EQ(h.s.block_pool().free_list(), (V{1, 2, 3, 4, 5, 6, 7, 0}));
+  EXPECT_EQ(h.s.block_pool().free_list(), (V{2, 3, 4, 5, 6, 7, 8, 1}));
 
   const V a = Seq(100, 10);
   h.add(1, a);
   auto s1 = h.sched();
   ASSERT_TRUE(s1);
   EXPECT_TRUE(s1->is_prefill);
-  EXPECT_EQ(h.s.request(1).block_table, (V{1, 2, 3}));
-  EXPECT_EQ(s1->table(0, 4), (V{1, 2, 3, 0}));
+  EXPECT_EQ(h.s.request(1).block_table, (V{2, 3, 4}));
+  EXPECT_EQ(s1->table(0, 4), (V{2, 3, 4, 0}));
   EXPECT_EQ(s1->ncached, V{0});
   EXPECT_EQ(s1->nsched, V{4});
   EXPECT_EQ(s1->tokens, Seq(100, 4));
   EXPECT_EQ(s1->positions, (V64{0, 1, 2, 3}));
-  EXPECT_EQ(s1->slots, (V64{4, 5, 6, 7}));
+  EXPECT_EQ(s1->slots, (V64{8, 9, 10, 11}));
   EXPECT_EQ(s1->cu_q, (V{0, 4}));
   EXPECT_EQ(s1->cu_k, (V{0, 4}));
   EXPECT_EQ(s1->emits, std::vector<uint8_t>{0});
@@ -251,7 +251,7 @@ TEST(SchedulerTest, ChunkedPrefillAcrossSteps) {
   EXPECT_EQ(s2->ncached, V{4});
   EXPECT_EQ(s2->tokens, Seq(104, 4));
   EXPECT_EQ(s2->positions, (V64{4, 5, 6, 7}));
-  EXPECT_EQ(s2->slots, (V64{8, 9, 10, 11}));
+  EXPECT_EQ(s2->slots, (V64{12, 13, 14, 15}));
   EXPECT_EQ(s2->cu_q, (V{0, 4}));
   EXPECT_EQ(s2->cu_k, (V{0, 8}));
   EXPECT_EQ(s2->max_seqlen_k, 8);
@@ -265,7 +265,7 @@ TEST(SchedulerTest, ChunkedPrefillAcrossSteps) {
   EXPECT_EQ(s3->nsched, V{2});
   EXPECT_EQ(s3->tokens, (V{108, 109}));
   EXPECT_EQ(s3->positions, (V64{8, 9}));
-  EXPECT_EQ(s3->slots, (V64{12, 13}));
+  EXPECT_EQ(s3->slots, (V64{16, 17}));
   EXPECT_EQ(s3->cu_k, (V{0, 10}));
   EXPECT_EQ(s3->emits, std::vector<uint8_t>{1});
   EXPECT_EQ(s3->last_block, V{2});
@@ -277,7 +277,7 @@ TEST(SchedulerTest, ChunkedPrefillAcrossSteps) {
   EXPECT_FALSE(s4->is_prefill);
   EXPECT_EQ(s4->tokens, V{55});
   EXPECT_EQ(s4->positions, V64{10});
-  EXPECT_EQ(s4->slots, V64{14});
+  EXPECT_EQ(s4->slots, V64{18});
   EXPECT_EQ(s4->ctx, V{11});
 }
 
@@ -326,8 +326,8 @@ TEST(SchedulerTest, PrefixCacheNothingIsPublishedBeforeTheOutputs) {
   EXPECT_EQ(events[0].parent_block_hash, std::nullopt);
   EXPECT_EQ(events[0].token_ids, p);
   EXPECT_EQ(events[0].block_size, 4);
-  EXPECT_EQ(h.s.block_pool().cached_block(hp[0]), 0);
-  EXPECT_EQ(h.s.block_pool().cached_block(hp[1]), 1);
+  EXPECT_EQ(h.s.block_pool().cached_block(hp[0]), 1);
+  EXPECT_EQ(h.s.block_pool().cached_block(hp[1]), 2);
   EXPECT_FALSE(h.s.block_pool().is_cached(3));
   EXPECT_FALSE(h.s.block_pool().is_cached(4));
 
@@ -340,9 +340,9 @@ TEST(SchedulerTest, PrefixCacheNothingIsPublishedBeforeTheOutputs) {
   EXPECT_EQ(s2->nsched, V{1});
   EXPECT_EQ(s2->tokens, V{5});
   EXPECT_EQ(s2->positions, V64{8});
-  EXPECT_EQ(h.s.request(3).block_table, (V{0, 1, 6}));
-  EXPECT_EQ(s2->slots, V64{24});
-  EXPECT_EQ(h.s.block_pool().ref_count(0), 2);
+  EXPECT_EQ(h.s.request(3).block_table, (V{1, 2, 7}));
+  EXPECT_EQ(s2->slots, V64{28});
+  EXPECT_EQ(h.s.block_pool().ref_count(1), 2);
   EXPECT_EQ(h.s.block_pool().ref_count(1), 2);
   EXPECT_EQ(h.s.stats().num_prefix_queries, 3);
   EXPECT_EQ(h.s.stats().prefix_query_tokens, 29);
@@ -376,8 +376,8 @@ TEST(SchedulerTest, PrefixCacheHitsAfterTheOutputsArriveAndNeverOnTheLastBlock) 
   EXPECT_EQ(s2->ctx, V{10});
   EXPECT_EQ(s2->tokens, (V{50, 51}));
   EXPECT_EQ(s2->positions, (V64{8, 9}));
-  EXPECT_EQ(h.s.request(2).block_table, (V{0, 1, 3}));
-  EXPECT_EQ(s2->slots, (V64{12, 13}));
+  EXPECT_EQ(h.s.request(2).block_table, (V{1, 2, 4}));
+  EXPECT_EQ(s2->slots, (V64{16, 17}));
   EXPECT_EQ(h.s.request(2).prefix_hit_tokens, 8);
   auto o2 = h.upd(*s2, {20});
   EXPECT_EQ(o2.by_id[2].hit_tokens, 8);
@@ -391,12 +391,12 @@ TEST(SchedulerTest, PrefixCacheHitsAfterTheOutputsArriveAndNeverOnTheLastBlock) 
   EXPECT_EQ(s3->nsched, V{4});
   EXPECT_EQ(s3->tokens, Seq(104, 4));
   EXPECT_EQ(s3->positions, (V64{4, 5, 6, 7}));
-  EXPECT_EQ(h.s.request(3).block_table, (V{0, 4}));
-  EXPECT_EQ(s3->slots, (V64{16, 17, 18, 19}));
+  EXPECT_EQ(h.s.request(3).block_table, (V{1, 5}));
+  EXPECT_EQ(s3->slots, (V64{20, 21, 22, 23}));
   auto o3 = h.upd(*s3, {30});
   EXPECT_EQ(o3.by_id[3].hit_tokens, 4);
-  EXPECT_EQ(h.s.block_pool().ref_count(0), 3);
-  EXPECT_EQ(h.s.block_pool().ref_count(1), 2);
+  EXPECT_EQ(h.s.block_pool().ref_count(1), 3);
+  EXPECT_EQ(h.s.block_pool().ref_count(2), 2);
 
   EXPECT_EQ(h.s.stats().num_prefix_queries, 3);
   EXPECT_EQ(h.s.stats().prefix_query_tokens, 28);
@@ -466,8 +466,8 @@ TEST(SchedulerTest, RejectionReasonsAreAtomsExactText) {
     const auto rej = h.s.take_rejected();
     ASSERT_EQ(rej.size(), 1u);
     EXPECT_EQ(rej[0].reason,
-              "unschedulable: needs 5 KV blocks for 17 input tokens > num_blocks=4. Shorten "
-              "the prompt or increase num_blocks.");
+              "unschedulable: needs 5 KV blocks for 17 input tokens > the pool's 4 "
+              "(num_blocks=5 less the null block). Shorten the prompt or increase num_blocks.");
   }
   {
     // max_model_len is checked first.

@@ -51,7 +51,7 @@ TEST(SchedulerTest, DecodeBatchArrays) {
   EXPECT_EQ(d.last_block, (V{4, 4, 4}));
   EXPECT_EQ(d.tokens, (V{110, 210, 310}));
   EXPECT_EQ(d.positions, (V64{7, 7, 7}));
-  EXPECT_EQ(d.slots, (V64{1 * 4 + 3, 3 * 4 + 3, 5 * 4 + 3}));
+  EXPECT_EQ(d.slots, (V64{2 * 4 + 3, 4 * 4 + 3, 6 * 4 + 3}));
   EXPECT_EQ(d.cu_q, (V{0, 1, 2, 3}));
   EXPECT_EQ(d.cu_k, (V{0, 8, 16, 24}));
   EXPECT_EQ(d.max_seqlen_q, 1);
@@ -65,12 +65,12 @@ TEST(SchedulerTest, DecodeBatchArrays) {
   ASSERT_EQ(d.width, h.s.config().max_blocks_per_request());
   ASSERT_GE(d.width, 3);
   V expect_rows;
-  for (const V& t : {V{0, 1}, V{2, 3}, V{4, 5}}) {
-    V row(d.width, 0);
+  for (const V& t : {V{1, 2}, V{3, 4}, V{5, 6}}) {
+    V row(d.width, kNullBlock);
     std::copy(t.begin(), t.end(), row.begin());
     expect_rows.insert(expect_rows.end(), row.begin(), row.end());
   }
-  EXPECT_EQ(d.tables, expect_rows) << "block_tables rows padded with 0";
+  EXPECT_EQ(d.tables, expect_rows) << "block_tables rows padded with the null block";
 }
 
 // Continuing ThreeFillThePool (A max_tokens 4):
@@ -93,9 +93,9 @@ TEST(SchedulerTest, PreemptionVictimIsTheTailOfRunning) {
   EXPECT_EQ(s3->req_ids, (V64{1, 2}));
   EXPECT_EQ(s3->positions, (V64{8, 8}));
   EXPECT_EQ(s3->tokens, (V{111, 211}));
-  EXPECT_EQ(s3->slots, (V64{20, 16}));
-  EXPECT_EQ(s3->table(0, 4), (V{0, 1, 5, 0}));
-  EXPECT_EQ(s3->table(1, 4), (V{2, 3, 4, 0}));
+  EXPECT_EQ(s3->slots, (V64{24, 20}));
+  EXPECT_EQ(s3->table(0, 4), (V{1, 2, 6, 0}));
+  EXPECT_EQ(s3->table(1, 4), (V{3, 4, 5, 0}));
   EXPECT_EQ(h.s.waiting_ids(), (V64{3, 4})) << "the victim goes to the HEAD of waiting";
   EXPECT_EQ(h.s.running_ids(), (V64{1, 2}));
   EXPECT_EQ(h.s.stats().num_preemptions, 1);
@@ -117,7 +117,7 @@ TEST(SchedulerTest, PreemptionVictimIsTheTailOfRunning) {
   EXPECT_EQ(h.s.waiting_ids(), (V64{3, 4}));
   auto o4 = h.upd(*s4, {113, 213});
   EXPECT_EQ(o4.why(1), "max_tokens");
-  EXPECT_EQ(h.s.block_pool().free_list(), (V{5, 1, 0}));
+  EXPECT_EQ(h.s.block_pool().free_list(), (V{6, 2, 1}));
 
   auto s5 = h.sched();
   ASSERT_TRUE(s5);
@@ -127,8 +127,8 @@ TEST(SchedulerTest, PreemptionVictimIsTheTailOfRunning) {
   EXPECT_EQ(s5->nsched, V{9});
   EXPECT_EQ(s5->tokens, c_tokens);
   EXPECT_EQ(h.s.request(3).prefill_target, 9);
-  EXPECT_EQ(h.s.request(3).block_table, (V{5, 1, 0}));
-  EXPECT_EQ(s5->slots, (V64{20, 21, 22, 23, 4, 5, 6, 7, 0}));
+  EXPECT_EQ(h.s.request(3).block_table, (V{6, 2, 1}));
+  EXPECT_EQ(s5->slots, (V64{24, 25, 26, 27, 8, 9, 10, 11, 4}));
   EXPECT_EQ(s5->emits, std::vector<uint8_t>{1});
   EXPECT_EQ(h.s.waiting_ids(), V64{4});
   auto o5 = h.upd(*s5, {312});
@@ -171,13 +171,13 @@ TEST(SchedulerTest, PreemptsItselfWhenItIsTheTail) {
   EXPECT_EQ(h.s.request(2).tokens, Cat(Seq(200, 7), {210, 211}));
   auto o3 = h.upd(*s3, {112});
   EXPECT_EQ(o3.why(1), "max_tokens");
-  EXPECT_EQ(h.s.block_pool().free_list(), (V{3, 2, 1, 0}));
+  EXPECT_EQ(h.s.block_pool().free_list(), (V{4, 3, 2, 1}));
   auto s4 = h.sched();
   ASSERT_TRUE(s4);
   EXPECT_TRUE(s4->is_prefill);
   EXPECT_EQ(s4->req_ids, V64{2});
   EXPECT_EQ(s4->tokens, Cat(Seq(200, 7), {210, 211}));
-  EXPECT_EQ(h.s.request(2).block_table, (V{3, 2, 1}));
+  EXPECT_EQ(h.s.request(2).block_table, (V{4, 3, 2}));
   auto o4 = h.upd(*s4, {212});
   EXPECT_EQ(o4.tokens(2), V{212});
 }
@@ -215,13 +215,13 @@ TEST(SchedulerTest, PreemptedRequestIsRePrefilledToAllItsTokens) {
     EXPECT_EQ(d->positions, (V64{4 + step, 4 + step}));
     h.upd(*d, {111 + step, 211 + step});
   }
-  EXPECT_EQ(h.s.request(1).block_table, (V{0, 2}));
-  EXPECT_EQ(h.s.request(2).block_table, (V{1, 3}));
+  EXPECT_EQ(h.s.request(1).block_table, (V{1, 3}));
+  EXPECT_EQ(h.s.request(2).block_table, (V{2, 4}));
 
   auto s7 = h.sched();
   ASSERT_TRUE(s7);
   EXPECT_EQ(s7->req_ids, V64{1});
-  EXPECT_EQ(s7->slots, V64{12});
+  EXPECT_EQ(s7->slots, V64{16});
   EXPECT_EQ(h.s.waiting_ids(), V64{2});
   EXPECT_EQ(h.upd(*s7, {115}).why(1), "max_tokens");
   const V b_tokens = Cat(Seq(200, 4), Seq(210, 5));
@@ -232,7 +232,7 @@ TEST(SchedulerTest, PreemptedRequestIsRePrefilledToAllItsTokens) {
   EXPECT_TRUE(s8->is_prefill);
   EXPECT_EQ(s8->req_ids, V64{2});
   EXPECT_EQ(h.s.request(2).prefill_target, 9);
-  EXPECT_EQ(h.s.request(2).block_table, (V{1, 3, 2}));
+  EXPECT_EQ(h.s.request(2).block_table, (V{2, 4, 3}));
   EXPECT_EQ(s8->ncached, V{0});
   EXPECT_EQ(s8->nsched, V{6});
   EXPECT_EQ(s8->tokens, Cat(Seq(200, 4), {210, 211}));
@@ -248,7 +248,7 @@ TEST(SchedulerTest, PreemptedRequestIsRePrefilledToAllItsTokens) {
   EXPECT_EQ(s9->nsched, V{3});
   EXPECT_EQ(s9->tokens, (V{212, 213, 214}));
   EXPECT_EQ(s9->positions, (V64{6, 7, 8}));
-  EXPECT_EQ(s9->slots, (V64{14, 15, 8}));
+  EXPECT_EQ(s9->slots, (V64{18, 19, 12}));
   EXPECT_EQ(s9->emits, std::vector<uint8_t>{1});
   EXPECT_EQ(h.upd(*s9, {215}).tokens(2), V{215});
 
@@ -338,7 +338,7 @@ TEST(SchedulerTest, ExactReservationDoesNotPreemptAtABlockBoundary) {
   ASSERT_TRUE(s2);
   EXPECT_EQ(s2->req_ids, V64{1});
   EXPECT_EQ(s2->positions, V64{7});
-  EXPECT_EQ(s2->slots, V64{7});
+  EXPECT_EQ(s2->slots, V64{11});
   EXPECT_EQ(h.s.stats().num_preemptions, 0);
   EXPECT_EQ(h.upd(*s2, {111}).why(1), "max_tokens");
 }
@@ -360,8 +360,8 @@ TEST(SchedulerTest, ReservationCoversKPlusOnePositionsWithSmallBlocks) {
   ASSERT_TRUE(d1);
   EXPECT_EQ(d1->positions, (V64{4, 5, 6, 7}));
   EXPECT_EQ(d1->tokens, (V{20, 30, 31, 32}));
-  EXPECT_EQ(h.s.request(1).block_table, (V{0, 1, 2, 3}));
-  EXPECT_EQ(d1->slots, (V64{4, 5, 6, 7}));
+  EXPECT_EQ(h.s.request(1).block_table, (V{1, 2, 3, 4}));
+  EXPECT_EQ(d1->slots, (V64{6, 7, 8, 9}));
   EXPECT_EQ(h.upd(*d1, {30, 31, 32, 40}, {4}, {41, 42, 43}).tokens(1), (V{30, 31, 32, 40}));
   auto d2 = h.sched();
   ASSERT_TRUE(d2);

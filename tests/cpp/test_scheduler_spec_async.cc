@@ -73,9 +73,9 @@ TEST(SchedulerTest, SpeculativeDecodingK2) {
   EXPECT_EQ(s2->tokens, (V{100, 30, 31, 200, 40, 41}));
   EXPECT_EQ(s2->positions, (V64{3, 4, 5, 5, 6, 7}));
   EXPECT_EQ(s2->drafts, (V{30, 31, 40, 41}));
-  EXPECT_EQ(h.s.request(1).block_table, (V{0, 3}));
-  EXPECT_EQ(h.s.request(2).block_table, (V{1, 2}));
-  EXPECT_EQ(s2->slots, (V64{3, 12, 13, 9, 10, 11}));
+  EXPECT_EQ(h.s.request(1).block_table, (V{1, 4}));
+  EXPECT_EQ(h.s.request(2).block_table, (V{2, 3}));
+  EXPECT_EQ(s2->slots, (V64{7, 16, 17, 13, 14, 15}));
   EXPECT_EQ(s2->cu_q, (V{0, 3, 6}));
   EXPECT_EQ(s2->cu_k, (V{0, 6, 14}));
   auto o2 = h.upd(*s2, {30, 50, -1, 40, 41, 60}, {2, 3}, {32, 33, 42, 43});
@@ -91,8 +91,8 @@ TEST(SchedulerTest, SpeculativeDecodingK2) {
   EXPECT_EQ(s3->tokens, (V{50, 32, 33, 60, 42, 43}));
   EXPECT_EQ(s3->positions, (V64{5, 6, 7, 8, 9, 10}));
   EXPECT_EQ(s3->drafts, (V{32, 33, 42, 43}));
-  EXPECT_EQ(h.s.request(2).block_table, (V{1, 2, 4}));
-  EXPECT_EQ(s3->slots, (V64{13, 14, 15, 16, 17, 18}));
+  EXPECT_EQ(h.s.request(2).block_table, (V{2, 3, 5}));
+  EXPECT_EQ(s3->slots, (V64{17, 18, 19, 20, 21, 22}));
   auto o3 = h.upd(*s3, {70, -1, -1, 80, 81, 82}, {1, 3}, {34, 35, 44, 45});
   EXPECT_EQ(o3.tokens(1), V{70});
   EXPECT_EQ(o3.tokens(2), (V{80, 81, 82}));
@@ -207,7 +207,7 @@ TEST(SchedulerTest, OneStepAheadInFlightTokensAreUnknown) {
   EXPECT_EQ(b2->ctx, V{4});
   EXPECT_EQ(b2->positions, V64{3});
   EXPECT_EQ(b2->tokens, V{-1});
-  EXPECT_EQ(b2->slots, V64{3});
+  EXPECT_EQ(b2->slots, V64{7});
   EXPECT_EQ(h.s.request(1).num_inflight, 2);
   EXPECT_EQ(h.s.request(1).num_computed_tokens, 4);
   EXPECT_EQ(h.s.num_outstanding_batches(), 2);
@@ -230,8 +230,8 @@ TEST(SchedulerTest, OneStepAheadInFlightTokensAreUnknown) {
   ASSERT_TRUE(b3);
   EXPECT_EQ(b3->positions, V64{4});
   EXPECT_EQ(b3->tokens, V{-1});
-  EXPECT_EQ(h.s.request(1).block_table, (V{0, 1}));
-  EXPECT_EQ(b3->slots, V64{4});
+  EXPECT_EQ(h.s.request(1).block_table, (V{1, 2}));
+  EXPECT_EQ(b3->slots, V64{8});
   EXPECT_EQ(h.upd(*b2, {21}).tokens(1), V{21});
   auto o3 = h.upd(*b3, {22});
   EXPECT_EQ(o3.tokens(1), V{22});
@@ -344,7 +344,7 @@ TEST(SchedulerTest, PreemptionWhileInFlightKeepsTheInFlightToken) {
   EXPECT_EQ(b3->req_ids, V64{1});
   EXPECT_EQ(b3->positions, V64{8});
   EXPECT_EQ(b3->tokens, V{-1});
-  EXPECT_EQ(b3->slots, V64{12});
+  EXPECT_EQ(b3->slots, V64{16});
   EXPECT_EQ(h.s.waiting_ids(), V64{2});
   EXPECT_EQ(h.s.running_ids(), V64{1});
   EXPECT_EQ(h.s.stats().num_preemptions, 1);
@@ -365,14 +365,14 @@ TEST(SchedulerTest, PreemptionWhileInFlightKeepsTheInFlightToken) {
   EXPECT_EQ(s4->positions, V64{9});
   EXPECT_EQ(s4->tokens, V{112});
   EXPECT_EQ(h.upd(*s4, {113}).why(1), "max_tokens");
-  EXPECT_EQ(h.s.block_pool().free_list(), (V{2, 3, 1, 0}));
+  EXPECT_EQ(h.s.block_pool().free_list(), (V{3, 4, 2, 1}));
 
   auto s5 = h.sched();
   ASSERT_TRUE(s5);
   EXPECT_TRUE(s5->is_prefill);
   EXPECT_EQ(s5->req_ids, V64{2});
   EXPECT_EQ(s5->tokens, Cat(Seq(200, 7), {210, 211}));
-  EXPECT_EQ(h.s.request(2).block_table, (V{2, 3, 1}));
+  EXPECT_EQ(h.s.request(2).block_table, (V{3, 4, 2}));
   EXPECT_EQ(h.upd(*s5, {212}).tokens(2), V{212});
 }
 
@@ -450,7 +450,7 @@ TEST(SchedulerTest, OneStepAheadWithDraftsReconcilesTheComputedCount) {
   EXPECT_EQ(b3->tokens, (V{-1, -1, -1}));
   EXPECT_EQ(b3->drafts, (V{-1, -1}));
   EXPECT_EQ(b3->exact, std::vector<uint8_t>{0});
-  EXPECT_EQ(h.s.request(1).block_table, (V{0, 1, 2}));
+  EXPECT_EQ(h.s.request(1).block_table, (V{1, 2, 3}));
   EXPECT_EQ(h.s.request(1).num_computed_tokens, 9);
 
   auto o2 = h.upd(*b2, {30, 40, -1}, {2}, {50, 51});

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 # A module missing these must fail every suite loudly, never skip it.
-from atom_sched import SamplingParams, Scheduler, SchedulerConfig
+from atom_sched import NULL_BLOCK, SamplingParams, Scheduler, SchedulerConfig
 
 MASK64 = (1 << 64) - 1
 
@@ -308,7 +308,7 @@ def expected_output(
     stop_ids = set(int(x) for x in cfg.stop_token_ids) | set(info.stop_ids)
     eos = int(cfg.eos_token_id)
     max_len = int(cfg.max_model_len)
-    pool_positions = int(cfg.num_blocks) * int(cfg.block_size)
+    pool_positions = usable_blocks(cfg) * int(cfg.block_size)
     out: list[int] = []
     g = 0
     while True:
@@ -329,19 +329,25 @@ def expected_output(
             return out, "kv_capacity"
 
 
+def usable_blocks(cfg: SchedulerConfig) -> int:
+    """Blocks requests can hold: all ids but the null block (docs/design.md, block-table
+    contract)."""
+    return int(cfg.num_blocks) - 1
+
+
 def final_length(info: ReqInfo, cfg: SchedulerConfig) -> int:
     """The token count at which a length rule (max_tokens, max_model_len, kv_capacity) ends a
     request, whatever its tokens."""
     return min(
         len(info.prompt) + info.max_tokens,
         int(cfg.max_model_len),
-        int(cfg.num_blocks) * int(cfg.block_size) + 1,
+        usable_blocks(cfg) * int(cfg.block_size) + 1,
     )
 
 
 def position_limit(cfg: SchedulerConfig) -> int:
     """Every scheduled position is below this: min(max_model_len, the pool's positions)."""
-    return min(int(cfg.max_model_len), int(cfg.num_blocks) * int(cfg.block_size))
+    return min(int(cfg.max_model_len), usable_blocks(cfg) * int(cfg.block_size))
 
 
 def rejection_reason(n: int, cfg: SchedulerConfig) -> str | None:
@@ -358,10 +364,11 @@ def rejection_reason(n: int, cfg: SchedulerConfig) -> str | None:
             "prefill, or shorten the prompt."
         )
     nb = cdiv(n, cfg.block_size)
-    if nb > cfg.num_blocks:
+    if nb > usable_blocks(cfg):
         return (
-            f"unschedulable: needs {nb} KV blocks for {n} input tokens > "
-            f"num_blocks={cfg.num_blocks}. Shorten the prompt or increase num_blocks."
+            f"unschedulable: needs {nb} KV blocks for {n} input tokens > the pool's "
+            f"{usable_blocks(cfg)} (num_blocks={cfg.num_blocks} less the null block). Shorten the "
+            "prompt or increase num_blocks."
         )
     return None
 
@@ -634,12 +641,13 @@ class Driver:
                 s0 = int(rec.cu_seqlens_q[i])
                 for j, p in enumerate(pos):
                     blk = int(rec.block_tables[i, p // bs])
-                    assert 0 <= blk < cfg.num_blocks
+                    assert NULL_BLOCK < blk < cfg.num_blocks, ("null block in use", i, p)
                     assert int(rec.slot_mapping[s0 + j]) == blk * bs + p % bs, ("slot", i, p)
                     slots.append(blk * bs + p % bs)
                 nblk = cdiv(L, bs)
                 used = [int(x) for x in rec.block_tables[i, :nblk]]
                 assert len(set(used)) == nblk, ("a block twice in one table", i, used)
+                assert NULL_BLOCK not in used, ("a row's position maps to the null block", i)
             assert len(set(slots)) == len(slots), "two tokens of one batch write the same KV slot"
             self._check_device_plan(b, rec, bs)
         for i, rid in enumerate(rec.req_ids):
@@ -732,7 +740,7 @@ class Driver:
             assert len(table) >= need, ("device table too short", rid, table, need)
             row = [int(x) for x in rec.block_tables[i]]
             assert row[: len(table)] == table, ("device table != block_tables row", rid)
-            assert all(x == 0 for x in row[len(table) :]), ("block_tables padding", rid)
+            assert all(x == NULL_BLOCK for x in row[len(table) :]), ("block_tables padding", rid)
 
     def _record(self, so: Any, rec: BatchRecord) -> None:
         outs = so.outputs()
@@ -802,7 +810,7 @@ class Driver:
         assert not self.sched.has_unfinished_requests()
         assert self.sched.num_waiting == 0 and self.sched.num_running == 0
         if self.cfg is not None:
-            assert self.sched.num_free_blocks == self.cfg.num_blocks, "KV blocks leaked"
+            assert self.sched.num_free_blocks == usable_blocks(self.cfg), "KV blocks leaked"
 
     def check_against_oracle(self) -> None:
         """Finished requests streamed exactly what the oracle says; rejections are ATOM's."""

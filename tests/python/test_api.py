@@ -523,7 +523,7 @@ def test_take_events_disabled_is_empty() -> None:
 
 def test_take_events_kinds_and_fields() -> None:
     bs = 4
-    d = make_driver(num_blocks=3, block_size=bs, enable_kv_events=True)
+    d = make_driver(num_blocks=3 + 1, block_size=bs, enable_kv_events=True)
     p = prompt(9)
     d.add(0, p, sp(max_tokens=1))
     d.schedule()
@@ -577,7 +577,7 @@ def test_stats_keys_and_values() -> None:
 
 
 def test_stats_counts_aborted_and_rejected() -> None:
-    d = make_driver(num_blocks=8, block_size=4, max_model_len=16)
+    d = make_driver(num_blocks=8 + 1, block_size=4, max_model_len=16)
     d.add(0, prompt(4), sp(max_tokens=50))
     d.add(1, prompt(17), sp())
     d.schedule()
@@ -590,7 +590,7 @@ def test_stats_counts_aborted_and_rejected() -> None:
 
 
 def test_abort_waiting_and_running_requests() -> None:
-    d = make_driver(num_blocks=4, block_size=4)
+    d = make_driver(num_blocks=4 + 1, block_size=4)
     d.add(0, prompt(12), sp(max_tokens=5))
     d.add(1, prompt(8, 40), sp(max_tokens=5))  # blocked behind 0 (1 block left)
     d.schedule()
@@ -627,11 +627,14 @@ def test_request_state_of_unknown_id_is_key_error() -> None:
 
 
 def test_num_free_blocks_tracks_allocation() -> None:
+    # Block 0 is the null block: 10 ids, 9 blocks for requests (docs/design.md).
     s = Scheduler(make_config(num_blocks=10, block_size=4))
-    assert s.num_free_blocks == 10
+    assert (s.num_blocks, s.num_usable_blocks, s.num_free_blocks) == (10, 9, 9)
     s.add_request(0, prompt(9))
-    s.schedule()
-    assert s.num_free_blocks == 7
+    b = s.schedule()
+    assert s.num_free_blocks == 6
+    assert atom_sched.NULL_BLOCK == 0
+    assert list(b.block_tables[0, :3]) == [1, 2, 3] and not b.block_tables[0, 3:].any()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -27,7 +27,7 @@ BS = 4
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_head_that_cannot_allocate_blocks_everything_behind_it(mode: str) -> None:
-    d = make_driver(mode, num_blocks=4, block_size=BS, enable_prefix_caching=False)
+    d = make_driver(mode, num_blocks=4 + 1, block_size=BS, enable_prefix_caching=False)
     d.add(0, prompt(12, 100), sp(max_tokens=1))  # 3 blocks
     d.add(1, prompt(8, 200), sp(max_tokens=1))  # 2 blocks: only 1 left -> break
     d.add(2, prompt(2, 300), sp(max_tokens=1))  # would fit, but strict FCFS
@@ -104,7 +104,7 @@ def test_chunked_prefill_across_steps(mode: str) -> None:
 
 
 def test_allocation_covers_the_whole_prompt_at_admission() -> None:
-    d = make_driver(num_blocks=16, block_size=BS, max_num_batched_tokens=8)
+    d = make_driver(num_blocks=16 + 1, block_size=BS, max_num_batched_tokens=8)
     d.add(0, prompt(25), sp(max_tokens=3))
     d.schedule()
     assert d.sched.num_free_blocks == 16 - cdiv(25, BS)
@@ -177,7 +177,7 @@ def test_max_num_seqs_bounds_admission() -> None:
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_preemption_victim_is_the_tail_and_goes_to_the_head_of_waiting(mode: str) -> None:
-    d = make_driver(mode, num_blocks=4, block_size=BS, enable_prefix_caching=False)
+    d = make_driver(mode, num_blocks=4 + 1, block_size=BS, enable_prefix_caching=False)
     for r in range(3):
         d.add(r, prompt(4, 100 * (r + 1)), sp(max_tokens=3))  # 1 block each
     d.add(3, prompt(8, 900), sp(max_tokens=2))  # 2 blocks: blocked behind them
@@ -277,7 +277,7 @@ def test_prefix_hits_and_the_last_block_rule(mode: str) -> None:
 
 
 def test_hit_on_blocks_of_a_live_request_shares_them() -> None:
-    d = make_driver(num_blocks=16, block_size=BS)
+    d = make_driver(num_blocks=16 + 1, block_size=BS)
     p = prompt(9, 100)
     d.add(0, p, sp(max_tokens=20))
     a = d.schedule()
@@ -396,13 +396,14 @@ def test_rejection_reasons_exact_text() -> None:
 
 
 def test_rejection_pool_too_small_exact_text() -> None:
-    d = make_driver(num_blocks=2, block_size=BS, max_model_len=64)
+    # ATOM's text, which also says that one of num_blocks ids is the null block.
+    d = make_driver(num_blocks=2 + 1, block_size=BS, max_model_len=64)
     d.add(0, prompt(9), sp())
     d.add(1, prompt(8), sp(max_tokens=1))
     d.run()
     assert d.rejected == {
-        0: "unschedulable: needs 3 KV blocks for 9 input tokens > num_blocks=2. Shorten "
-        "the prompt or increase num_blocks."
+        0: "unschedulable: needs 3 KV blocks for 9 input tokens > the pool's 2 (num_blocks=3 less "
+        "the null block). Shorten the prompt or increase num_blocks."
     }
     assert d.reasons == {1: "max_tokens"}
 
@@ -598,7 +599,7 @@ def test_state_slot_exhaustion_blocks_admission() -> None:
 
 
 def test_state_slots_are_distinct_and_cost_no_blocks() -> None:
-    d = make_driver(num_blocks=2, block_size=BS, num_state_slots=2)
+    d = make_driver(num_blocks=2 + 1, block_size=BS, num_state_slots=2)
     d.add(0, prompt(4, 100), sp(max_tokens=1))
     d.add(1, prompt(4, 200), sp(max_tokens=1))
     b = d.schedule()

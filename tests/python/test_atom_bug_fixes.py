@@ -175,7 +175,7 @@ def test_8_6_no_over_reservation_at_a_block_boundary() -> None:
     the step writes. A 3-token prompt in a 1-block pool (block size 4): its first decode writes
     position 3, still in block 0, but ATOM demands a 2nd block, finds none and preempts the
     request (which then can never run). Here it decodes without preemption."""
-    d = make_driver(num_blocks=1, block_size=BS)
+    d = make_driver(num_blocks=1 + 1, block_size=BS)
     d.add(0, prompt(3), sp(max_tokens=2))
     d.run()
     assert d.reasons == {0: "max_tokens"}
@@ -186,7 +186,7 @@ def test_8_6_no_over_reservation_at_a_block_boundary() -> None:
 def test_8_6_no_over_reservation_with_drafts() -> None:
     """8.6 with K = 1: a 2-token prompt; the first decode writes positions 2 and 3 (block 0).
     ATOM's can_append(len + K + 1) wants a 2nd block and preempts in a 1-block pool."""
-    d = make_driver(num_blocks=1, block_size=BS, num_speculative_tokens=1)
+    d = make_driver(num_blocks=1 + 1, block_size=BS, num_speculative_tokens=1)
     d.model.accept = 1
     d.add(0, prompt(2), sp(max_tokens=2))
     d.run()
@@ -200,7 +200,7 @@ def _check_exact_blocks(d: Driver, bs: int) -> None:
         rec = d.schedule()
         assert rec is not None
         assert d.cfg is not None
-        held = d.cfg.num_blocks - d.sched.num_free_blocks
+        held = d.sched.num_usable_blocks - d.sched.num_free_blocks
         assert held == cdiv(rec.context_lens[0], bs), (rec.context_lens, held)
         d.update()
 
@@ -216,7 +216,7 @@ def test_8_7_exact_reservation_block_size_2_k_3(accept: int | None) -> None:
     needs runs with no preemption."""
     k, bs = 3, 2
     # prompt 3, max_tokens 5: the last decode starts at most at R = 7 -> context 6 + 4 = 10.
-    d = make_driver(num_blocks=5, block_size=bs, num_speculative_tokens=k)
+    d = make_driver(num_blocks=5 + 1, block_size=bs, num_speculative_tokens=k)
     d.model.accept = accept
     d.add(0, prompt(3), sp(max_tokens=5))
     _check_exact_blocks(d, bs)
@@ -554,7 +554,7 @@ def test_8_29_free_list_is_lru_without_stale_duplicates() -> None:
       C = 12 fresh tokens: takes 3 blocks, 3 1 2 here; ATOM takes 3 1 0 and evicts P
       D = P + [z]: hits P here (num_cached_tokens 4); on ATOM it misses.
     With KV events: no BlockRemoved while C takes its blocks (none of 3, 1, 2 holds a hash)."""
-    d = make_driver(num_blocks=4, block_size=BS, enable_kv_events=True)
+    d = make_driver(num_blocks=4 + 1, block_size=BS, enable_kv_events=True)
     p = prompt(4, 100)
     d.add(0, p + [5], sp(max_tokens=1))
     d.run()
@@ -577,7 +577,7 @@ def test_8_29_free_block_count_and_ownership_stay_exact() -> None:
     """8.29: whatever the history of frees and cache hits, the blocks held by running requests
     (each table's blocks, shared prefix blocks counted once) plus the free count add up to the
     pool, and no block is owned twice by one table."""
-    d = make_driver(num_blocks=10, block_size=BS, enable_prefix_caching=True)
+    d = make_driver(num_blocks=10 + 1, block_size=BS, enable_prefix_caching=True)
     base = prompt(8, 100)
     for r in range(6):
         d.add(r, base[: 4 + 4 * (r % 2)] + prompt(1 + r, 1000 + 10 * r), sp(max_tokens=3 + r))
@@ -615,7 +615,7 @@ def test_8_30_duplicate_content_is_published_once() -> None:
     hash_blocks then publishes the same hashes twice (two BlockStored, the map overwritten, the
     first block orphaned) and later removes them once. Here the second copy is not registered:
     one BlockStored per hash, and every BlockRemoved matches an earlier BlockStored."""
-    d = make_driver(num_blocks=6, block_size=BS, enable_kv_events=True)
+    d = make_driver(num_blocks=6 + 1, block_size=BS, enable_kv_events=True)
     p = prompt(8, 100)
     h0 = atom_sched.block_hash(p[:4])
     h1 = atom_sched.block_hash(p[4:], h0)

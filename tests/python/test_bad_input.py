@@ -80,6 +80,7 @@ def expect_unchanged(sched: Scheduler, exc: type[BaseException], fn: Callable[[]
 
 BAD_CONFIGS = [
     (dict(num_blocks=0), "num_blocks"),
+    (dict(num_blocks=1), "num_blocks"),  # block 0 is the null block: no block for requests
     (dict(num_blocks=-3), "num_blocks"),
     (dict(block_size=0), "block_size"),
     (dict(max_num_seqs=0), "max_num_seqs"),
@@ -104,11 +105,11 @@ def test_invalid_config_is_value_error_naming_the_field(kw: dict, field: str) ->
 
 
 def test_config_limits_that_are_valid() -> None:
-    Scheduler(SchedulerConfig(num_blocks=1, block_size=1, max_num_seqs=1,
+    Scheduler(SchedulerConfig(num_blocks=2, block_size=1, max_num_seqs=1,
                               max_num_batched_tokens=9, max_model_len=1,
                               num_speculative_tokens=8))
-    Scheduler(SchedulerConfig(num_blocks=1, num_speculative_tokens=3, max_num_batched_tokens=4))
-    Scheduler(SchedulerConfig(num_blocks=1, eos_token_id=0, stop_token_ids=[0]))
+    Scheduler(SchedulerConfig(num_blocks=2, num_speculative_tokens=3, max_num_batched_tokens=4))
+    Scheduler(SchedulerConfig(num_blocks=2, eos_token_id=0, stop_token_ids=[0]))
 
 
 def test_config_wrong_type_is_type_error() -> None:

@@ -193,14 +193,14 @@ def test_abort_while_kv_is_arriving_keeps_the_blocks_until_it_lands():
     s.set_kv_connector(Consumer(remote=[5]))
     s.add_request(5, list(range(10, 22)), SamplingParams(max_tokens=4))
     s.schedule()
-    held = s.num_blocks - s.num_free_blocks
+    held = s.num_usable_blocks - s.num_free_blocks
     assert held == 3
     s.abort_request(5)
     s.check_invariants()
-    assert s.num_blocks - s.num_free_blocks == 3  # the transfer may still write them
+    assert s.num_usable_blocks - s.num_free_blocks == 3  # the transfer may still write them
     s.update_from_kv_xfer_finished(finished_recving=[5])
     s.check_invariants()
-    assert s.num_free_blocks == s.num_blocks
+    assert s.num_free_blocks == s.num_usable_blocks
 
 
 def test_bad_transfer_reports_change_nothing():
@@ -267,7 +267,7 @@ def test_an_injected_first_token_that_stops_ends_the_request(first_token, max_to
     _, outs = step(s, [77])
     assert [(o.output_tokens, o.finish_reason) for o in outs] == [([first_token], reason)]
     assert not s.has_unfinished_requests()
-    assert s.num_free_blocks == s.num_blocks
+    assert s.num_free_blocks == s.num_usable_blocks
 
 
 def test_request_finished_sees_the_reason_and_the_drafts():
@@ -308,13 +308,13 @@ def test_a_transfer_report_naming_an_id_twice_changes_nothing():
     s.add_request(5, list(range(10, 22)), SamplingParams(max_tokens=4))
     s.schedule()
     s.abort_request(5)  # its blocks wait for the receive to finish
-    used = s.num_blocks - s.num_free_blocks
+    used = s.num_usable_blocks - s.num_free_blocks
     with pytest.raises(ValueError):
         s.update_from_kv_xfer_finished(finished_recving=[5, 5])
-    assert s.num_blocks - s.num_free_blocks == used
+    assert s.num_usable_blocks - s.num_free_blocks == used
     s.check_invariants()
     s.update_from_kv_xfer_finished(finished_recving=[5])
-    assert s.num_free_blocks == s.num_blocks
+    assert s.num_free_blocks == s.num_usable_blocks
 
 
 def test_a_connector_calling_back_into_its_scheduler_gets_an_error_not_a_deadlock():

@@ -96,7 +96,7 @@ def test_two_process_disaggregation_equals_one_engine(smollm2):
             pre[1].kv_transfer_params["remote_block_ids"])
         st = pair.state("prefill")
         assert st["pending_sends"] == [a, c]
-        assert st["num_free_blocks"] == st["num_blocks"] - len(held), "blocks freed before sent"
+        assert st["num_free_blocks"] == st["num_usable_blocks"] - len(held), "freed before sent"
         assert st["num_waiting"] == st["num_running"] == 0
 
         # 2. Decode them: the decode engine pulls the KV, writes it into its own blocks, decodes.
@@ -107,7 +107,7 @@ def test_two_process_disaggregation_equals_one_engine(smollm2):
 
         st = pair.state("prefill")
         assert st["pending_sends"] == [] and not st["has_pending"]
-        assert st["num_free_blocks"] == st["num_blocks"], "the sends' blocks were not freed"
+        assert st["num_free_blocks"] == st["num_usable_blocks"], "the sends' blocks were not freed"
         dst = pair.state("decode")
         served, released = by_tid(st["log"], "served"), by_tid(st["log"], "released")
         received, alloc = by_tid(dst["log"], "received"), by_tid(dst["log"], "alloc")
@@ -127,7 +127,7 @@ def test_two_process_disaggregation_equals_one_engine(smollm2):
         for rid in (a, c):
             assert set(prompt_block_hashes(ids[rid], BS)) <= cached
         assert dst["stats"]["num_remote_prefills"] == 2
-        assert dst["num_free_blocks"] == dst["num_blocks"]
+        assert dst["num_free_blocks"] == dst["num_usable_blocks"]
 
         # 3. B shares A's prefix: the decode side has those blocks and pulls only the rest.
         (out_b,) = pair.generate([ids[b]], greedy, request_ids=[b])
@@ -139,7 +139,7 @@ def test_two_process_disaggregation_equals_one_engine(smollm2):
         assert by_tid(dst["log"], "received")[b][1]["blocks"] == alloc["blocks"] - shared
         assert dst["connector_errors"] == [] and dst["transfer_stats"]["failed"] == 0
         st = pair.state("prefill")
-        assert st["num_free_blocks"] == st["num_blocks"] and not st["has_pending"]
+        assert st["num_free_blocks"] == st["num_usable_blocks"] and not st["has_pending"]
         t_pair = time.perf_counter()
         xfer = dst["transfer_stats"]
     assert pair.exitcodes == {"prefill": 0, "decode": 0}  # both stopped cleanly
@@ -254,7 +254,7 @@ def test_in_process_pair_equals_one_engine(tiny, name, prefill_kw, decode_kw):
         alloc = by_tid(pair.cons.log, "alloc")
         assert alloc[0][1]["cached"] == 0 and alloc[2][1]["cached"] == 13 // 4
         for eng in (pair.pre, pair.dec):
-            assert eng.scheduler.num_free_blocks == eng.scheduler.num_blocks
+            assert eng.scheduler.num_free_blocks == eng.scheduler.num_usable_blocks
             assert not eng.has_unfinished()
         if decode_kw.get("num_speculative_tokens"):
             assert pair.dec.stats()["num_accepted_draft_tokens"] > 0
@@ -273,13 +273,13 @@ def test_producer_holds_blocks_until_the_consumer_acknowledges(tiny):
         held = len(pair.prefilled[0].kv_transfer_params["remote_block_ids"])
         for _ in range(5):  # nobody pulls: the blocks stay held, the engine keeps polling
             pair.pre.step()
-            assert sched.num_free_blocks == sched.num_blocks - held
+            assert sched.num_free_blocks == sched.num_usable_blocks - held
             assert pair.pre.has_unfinished() and pair.prod.pending_sends == [0]
         pair.dec.add_request(prompts[0], params, request_id=0,
                              kv_transfer_params=pair.prefilled[0].kv_transfer_params)
         pair.run()
         assert pair.dec.completion(0).token_ids == ref[0]
-        assert sched.num_free_blocks == sched.num_blocks
+        assert sched.num_free_blocks == sched.num_usable_blocks
         events = [ev for _, ev, rid, _ in pair.prod.log if rid == 0]
         assert events == ["finished", "served", "released"]
     finally:
@@ -305,7 +305,7 @@ def test_failed_transfer_ends_only_its_request(tiny):
         assert pair.dec.completion(6).token_ids == ref[1]
         assert pair.dec.completion(0).token_ids == ref[0]
         for eng in (pair.pre, pair.dec):
-            assert eng.scheduler.num_free_blocks == eng.scheduler.num_blocks
+            assert eng.scheduler.num_free_blocks == eng.scheduler.num_usable_blocks
         assert pair.cons.transfer_stats["failed"] == 1
     finally:
         pair.close()
@@ -323,7 +323,7 @@ def test_abort_before_admission_releases_the_producer(tiny):
         pair.dec.abort(0)  # never scheduled: nothing will pull the KV
         pair.run()
         sched = pair.pre.scheduler
-        assert sched.num_free_blocks == sched.num_blocks and not pair.prod.pending_sends
+        assert sched.num_free_blocks == sched.num_usable_blocks and not pair.prod.pending_sends
         assert [ev for _, ev, _, _ in pair.prod.log] == ["finished", "released"]
     finally:
         pair.close()

@@ -216,7 +216,7 @@ def test_abort_mid_run(tiny, tiny_reference, one_step_ahead, k):
                            reference=tiny_reference[i])
         assert res.ok, res.detail
     assert not eng.has_unfinished()
-    assert eng.scheduler.num_free_blocks == eng.scheduler.num_blocks
+    assert eng.scheduler.num_free_blocks == eng.scheduler.num_usable_blocks
 
 
 def test_rejected_prompt_is_reported(tiny):

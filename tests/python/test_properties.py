@@ -81,8 +81,9 @@ def scenarios(draw: Any, aborts: bool = True, vetoes: bool = False) -> Scenario:
     k = draw(st.sampled_from([0, 1, 3]))
     bs = draw(st.sampled_from([1, 2, 4, 8]))
     max_model_len = draw(st.integers(6, 40))
-    # The pool holds at least one request of max_model_len with its K+1 decode positions.
-    min_blocks = cdiv(max_model_len + k + 1, bs) + 1
+    # The pool holds at least one request of max_model_len with its K+1 decode positions (one
+    # more id: the null block).
+    min_blocks = cdiv(max_model_len + k + 1, bs) + 1 + 1
     num_blocks = draw(st.integers(min_blocks, min_blocks + 8))
     chunked = draw(st.booleans())
     if chunked:
@@ -256,7 +257,7 @@ def test_tight_pool_forces_preemption_and_still_agrees() -> None:
         # Shrink the pool to the minimum that still fits one request of max_model_len.
         k = int(scn.cfg["num_speculative_tokens"])
         bs = int(scn.cfg["block_size"])
-        scn.cfg["num_blocks"] = cdiv(int(scn.cfg["max_model_len"]) + k + 1, bs) + extra
+        scn.cfg["num_blocks"] = cdiv(int(scn.cfg["max_model_len"]) + k + 1, bs) + extra + 1
         a = run(scn, "sync")
         b = run(scn, "async")
         compare(a, b)
@@ -281,7 +282,8 @@ def test_pool_below_max_model_len_ends_requests_kv_capacity_and_still_agrees() -
     @given(scenarios(aborts=False), st.integers(0, 3))
     def examples(scn: Scenario, short: int) -> None:
         bs = int(scn.cfg["block_size"])
-        scn.cfg["num_blocks"] = max(1, cdiv(int(scn.cfg["max_model_len"]), bs) - 1 - short)
+        # Usable blocks (all but the null block) short of max_model_len.
+        scn.cfg["num_blocks"] = 1 + max(1, cdiv(int(scn.cfg["max_model_len"]), bs) - 1 - short)
         a = run(scn, "sync")
         b = run(scn, "async")
         compare(a, b)

@@ -57,7 +57,9 @@ struct Batch {
   std::vector<uint8_t> emits_token;  // 0 for a prefill chunk that does not finish the prompt
   std::vector<uint8_t> row_exact;    // 1 when every value of the row is exact
   std::vector<int32_t> state_slots;  // per-request state slot, -1 if none
-  std::vector<int32_t> block_tables;  // [num_rows, block_table_width], padded with 0
+  // [num_rows, block_table_width]: a row's blocks, then kNullBlock (0) to the end of the row
+  // (docs/design.md, "block-table contract").
+  std::vector<int32_t> block_tables;
   std::vector<int32_t> spec_draft_tokens;  // [num_rows, K] decode only; -1 where unknown
   std::vector<int32_t> cu_seqlens_q;       // [num_rows + 1]
   std::vector<int32_t> cu_seqlens_k;       // [num_rows + 1]

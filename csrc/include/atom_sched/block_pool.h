@@ -25,17 +25,29 @@
 
 namespace atom_sched {
 
+/// The null block (docs/design.md, "block-table contract"): never allocated, never cached; every
+/// block-table entry past a request's blocks holds it, so a kernel that reads or writes through a
+/// padded entry touches this scratch block, never a live request's KV. An engine sizes its KV
+/// cache for all num_blocks ids; num_blocks - 1 of them hold requests.
+inline constexpr int32_t kNullBlock = 0;
+
 class BlockPool {
  public:
-  /// num_blocks > 0, block_size > 0, num_state_slots >= 0. Throws InvalidArgument otherwise.
+  /// num_blocks >= 2 (block 0 is the null block), block_size > 0, num_state_slots >= 0. Throws
+  /// InvalidArgument otherwise.
   BlockPool(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching, bool enable_events,
             int32_t num_state_slots = 0);
 
+  /// Block ids 0..num_blocks-1, the null block included.
   [[nodiscard]] int32_t num_blocks() const noexcept { return num_blocks_; }
+  /// Blocks that can hold requests: num_blocks - 1 (all but the null block).
+  [[nodiscard]] int32_t num_usable_blocks() const noexcept { return num_blocks_ - 1; }
   [[nodiscard]] int32_t block_size() const noexcept { return block_size_; }
   [[nodiscard]] int32_t num_free_blocks() const noexcept { return num_free_; }
-  [[nodiscard]] int32_t num_used_blocks() const noexcept { return num_blocks_ - num_free_; }
-  /// Fraction of blocks in use, in [0, 1].
+  [[nodiscard]] int32_t num_used_blocks() const noexcept {
+    return num_usable_blocks() - num_free_;
+  }
+  /// Fraction of the usable blocks in use, in [0, 1].
   [[nodiscard]] double usage() const noexcept;
   [[nodiscard]] bool prefix_caching() const noexcept { return prefix_caching_; }
   [[nodiscard]] int32_t num_free_state_slots() const noexcept {

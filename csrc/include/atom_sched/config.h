@@ -11,7 +11,7 @@ inline constexpr int32_t kMaxSpeculativeTokens = 8;
 
 /// Static configuration of a Scheduler. Units are tokens unless stated otherwise.
 struct SchedulerConfig {
-  int32_t num_blocks = 0;                 // KV blocks in the pool (> 0)
+  int32_t num_blocks = 0;                 // KV block ids (>= 2): block 0 is the null block
   int32_t block_size = 16;                // tokens per KV block (> 0)
   int32_t max_num_seqs = 256;             // bound on the running set and on rows per batch
   int32_t max_num_batched_tokens = 8192;  // token budget of one batch

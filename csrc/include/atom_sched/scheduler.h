@@ -224,8 +224,9 @@ class Scheduler {
   SchedulerConfig config_;
   int32_t k_;           // speculative tokens per decode row
   int32_t table_width_; // block-table columns
-  // Positions a row may use: below max_model_len and within the whole pool (num_blocks x
-  // block_size); a request whose next position would reach the pool's end finishes kv_capacity.
+  // Positions a row may use: below max_model_len and within the whole pool ((num_blocks - 1) x
+  // block_size: all but the null block); a request whose next position would reach the pool's
+  // end finishes kv_capacity.
   int32_t pool_positions_;
   int32_t position_limit_;
   BlockPool pool_;
