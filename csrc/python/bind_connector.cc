@@ -53,7 +53,9 @@ std::string one_line(const py::error_already_set& e) {
 
 // Forwards each call to the Python subclass. A Python exception becomes a std::runtime_error
 // carrying its message (built while the GIL is held), which the core turns into a rejected
-// request or a connector error.
+// request or a connector error. KeyboardInterrupt and SystemExit (any BaseException that is not an
+// Exception) fail no request: the core gets a ConnectorInterrupt, and with_core() raises the
+// Python exception itself once the core call has finished consistently.
 class PyKvConnector : public KvConnector {
  public:
   bool is_producer() const override {
@@ -95,7 +97,9 @@ class PyKvConnector : public KvConnector {
     try {
       return f(std::forward<Args>(args)...);
     } catch (py::error_already_set& e) {
-      throw std::runtime_error(one_line(e));
+      if (e.matches(PyExc_Exception)) throw std::runtime_error(one_line(e));
+      if (!t_connector_interrupt) t_connector_interrupt = std::move(e);  // the first one wins
+      throw ConnectorInterrupt();
     }
   }
 };

@@ -142,8 +142,14 @@ py::object add_request(SchedulerHandle& h, int64_t request_id, py::handle prompt
 
 py::object schedule(const Handle& h, bool allow_prefill, std::optional<double> now) {
   const double t = now ? *now : monotonic_seconds();
-  const Batch* b = with_core(*h, [&](Scheduler& c) { return c.schedule(t, allow_prefill); });
-  if (b == nullptr) return py::none();
+  // A connector interrupt waits for the next call if this one returns a batch (already counted
+  // as outstanding: raising would lose it), else it is raised now.
+  const Batch* b = with_core(
+      *h, [&](Scheduler& c) { return c.schedule(t, allow_prefill); }, OnInterrupt::kDefer);
+  if (b == nullptr) {
+    raise_deferred_interrupt(*h);
+    return py::none();
+  }
   return py::cast(BatchView{h, b, b->id});
 }
 
@@ -188,11 +194,15 @@ StepOutputView update(const Handle& h, const BatchView& batch, py::handle sample
       throw py::value_error("logprobs must have the shape of sampled_token_ids");
     out.logprobs = lp->span();
   }
-  // The step's id is read under the lock: another thread's update() cannot slip in between.
-  const auto [so, id] = with_core(*h, [&](Scheduler& c) {
-    const StepOutput& result = c.update(batch.id, out);
-    return std::make_pair(&result, result.batch_id);
-  });
+  // The step's id is read under the lock: another thread's update() cannot slip in between. A
+  // connector interrupt waits for the next call: the step is applied and its outputs must stream.
+  const auto [so, id] = with_core(
+      *h,
+      [&](Scheduler& c) {
+        const StepOutput& result = c.update(batch.id, out);
+        return std::make_pair(&result, result.batch_id);
+      },
+      OnInterrupt::kDefer);
   return StepOutputView{h, so, id};
 }
 
@@ -246,6 +256,7 @@ py::dict request_state(const Request& r) {
 }  // namespace
 
 void bind_scheduler(py::module_& m) {
+  m.attr("NULL_BLOCK") = kNullBlock;
   py::class_<RejectedRequest>(m, "RejectedRequest", "A request schedule() can never run.")
       .def_readonly("request_id", &RejectedRequest::req_id)
       .def_readonly("reason", &RejectedRequest::reason)
@@ -503,6 +514,9 @@ void bind_scheduler(py::module_& m) {
           "num_free_blocks", locked([](Scheduler& c) { return c.block_pool().num_free_blocks(); }))
       .def_property_readonly("num_blocks",
                              locked([](Scheduler& c) { return c.block_pool().num_blocks(); }))
+      .def_property_readonly(
+          "num_usable_blocks",
+          locked([](Scheduler& c) { return c.block_pool().num_usable_blocks(); }))
       .def_property_readonly("kv_usage",
                              locked([](Scheduler& c) { return c.block_pool().usage(); }));
 }

@@ -6,7 +6,9 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
+#include <type_traits>
 
 #include "atom_sched/scheduler.h"
 
@@ -17,6 +19,9 @@ struct SchedulerHandle {
   Scheduler core;
   std::mutex mu;
   pybind11::object connector;  // the Python KVConnector the core calls back into, or None
+  // A KeyboardInterrupt or SystemExit a callback raised during a call whose result the engine
+  // must not lose; the next call on this scheduler raises it. Guarded by the GIL.
+  std::optional<pybind11::error_already_set> deferred_interrupt;
 };
 using Handle = std::shared_ptr<SchedulerHandle>;
 using SchedulerClass = pybind11::class_<SchedulerHandle, Handle>;
@@ -38,24 +43,70 @@ namespace atom_sched {
 /// KV connector callback.
 inline thread_local bool t_inside_a_scheduler = false;
 
+/// The KeyboardInterrupt or SystemExit (any BaseException that is not an Exception) a KV connector
+/// callback raised on this thread during the current core call; the callback turned it into a
+/// ConnectorInterrupt for the core, which finishes the call consistently (kv_connector.h).
+inline thread_local std::optional<pybind11::error_already_set> t_connector_interrupt;
+
+/// What with_core() does with such an interrupt once the core call has returned.
+enum class OnInterrupt {
+  kRaise,  // raise it now; the call's result, if any, is dropped
+  kDefer,  // keep it for the next call on this scheduler: the result must reach the engine
+};
+
+/// Raises (and forgets) the interrupt a previous call deferred. Needs the GIL.
+inline void raise_deferred_interrupt(SchedulerHandle& h) {
+  if (!h.deferred_interrupt) return;
+  pybind11::error_already_set e = std::move(*h.deferred_interrupt);
+  h.deferred_interrupt.reset();
+  throw e;
+}
+
 /// Runs f(core) with the scheduler's mutex held and the GIL released. Every call into the core
 /// goes through here: a call that needs the GIL back (a Python KV connector) while another thread
 /// holds the GIL and waits for the mutex would otherwise deadlock. `f` must not touch Python.
 /// A KV connector callback that calls into any Scheduler, its own or another, gets a RuntimeError:
 /// waiting on its own mutex would deadlock the thread, and taking another scheduler's mutex while
 /// holding this one deadlocks against a thread whose callback does the reverse.
+/// An interrupt deferred by the previous call is raised first, before anything changes; one
+/// raised by a callback during this call is raised or deferred as `on_interrupt` says.
 template <typename F>
-auto with_core(SchedulerHandle& h, F&& f) {
+auto with_core(SchedulerHandle& h, F&& f, OnInterrupt on_interrupt = OnInterrupt::kRaise) {
   if (t_inside_a_scheduler)
     throw std::runtime_error(
         "a KV connector callback must not call into a Scheduler (its own or another)");
-  pybind11::gil_scoped_release release;
-  std::lock_guard<std::mutex> lock(h.mu);
-  struct Inside {
-    Inside() { t_inside_a_scheduler = true; }
-    ~Inside() { t_inside_a_scheduler = false; }
-  } inside;
-  return f(h.core);
+  raise_deferred_interrupt(h);
+  auto run = [&] {  // returns a copy, made under the lock
+    pybind11::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(h.mu);
+    struct Inside {
+      Inside() { t_inside_a_scheduler = true; }
+      ~Inside() { t_inside_a_scheduler = false; }
+    } inside;
+    return f(h.core);
+  };
+  // With the GIL held again: take this call's interrupt, if any, and raise or defer it.
+  auto after = [&](bool raise_now) {
+    if (!t_connector_interrupt) return;
+    h.deferred_interrupt = std::move(*t_connector_interrupt);
+    t_connector_interrupt.reset();
+    if (raise_now) raise_deferred_interrupt(h);
+  };
+  try {
+    if constexpr (std::is_void_v<decltype(run())>) {
+      run();
+      after(on_interrupt == OnInterrupt::kRaise);
+    } else {
+      auto result = run();
+      after(on_interrupt == OnInterrupt::kRaise);
+      return result;
+    }
+  } catch (const pybind11::error_already_set&) {
+    throw;
+  } catch (...) {
+    after(/*raise_now=*/true);  // the interrupt rather than the error it caused
+    throw;
+  }
 }
 
 }  // namespace atom_sched

@@ -276,6 +276,8 @@ void Scheduler::finish(int32_t slot, FinishReason reason, int32_t stop_token) {
   if (connector_ && !dry_run_) {
     try {
       if (connector_->request_finished(connector_view(r))) r.awaiting_send = keep_blocks = true;
+    } catch (const ConnectorInterrupt&) {
+      // Not the request's failure: it finishes as if the connector kept nothing.
     } catch (const std::exception& e) {
       connector_failed(r, "request_finished", e);
     }
@@ -390,6 +392,8 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
       try {
         match = connector_->get_num_new_matched_tokens(connector_view(r));
         match.validate();  // a negative id in the answer is a failed call, like a throw
+      } catch (const ConnectorInterrupt&) {
+        break;  // the request waits at the head, untouched
       } catch (const std::exception& e) {
         connector_failed(r, "get_num_new_matched_tokens", e);
         reject(s, "kv connector error: " + std::string(e.what()));
@@ -414,6 +418,9 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
     if (connector_ && !dry_run_) {
       try {
         connector_->update_state_after_alloc(connector_view(r));
+      } catch (const ConnectorInterrupt&) {
+        release_kv(r, /*keep_blocks=*/false);  // undo the allocation: it waits at the head again
+        break;
       } catch (const std::exception& e) {
         connector_failed(r, "update_state_after_alloc", e);
         reject(s, "kv connector error: " + std::string(e.what()));

@@ -482,5 +482,88 @@ TEST(SchedulerContractTest, RemoteFirstTokenAtTheLimitStreamsWithoutPassingIt) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Item 13: a connector interrupt (the binding's KeyboardInterrupt, SystemExit) judges nothing
+// ---------------------------------------------------------------------------------------------
+
+// Throws ConnectorInterrupt once from the named call for the named request.
+class InterruptingConnector : public KvConnector {
+ public:
+  bool is_producer() const override { return false; }
+  RemoteMatch get_num_new_matched_tokens(const ConnectorRequest& r) override {
+    interrupt_if(r, interrupt_match);
+    return {};
+  }
+  void update_state_after_alloc(const ConnectorRequest& r) override {
+    interrupt_if(r, interrupt_alloc);
+  }
+  bool request_finished(const ConnectorRequest& r) override {
+    interrupt_if(r, interrupt_finish);
+    return true;  // keep the blocks for a send, unless interrupted
+  }
+  int64_t interrupt_match = -1, interrupt_alloc = -1, interrupt_finish = -1;
+  int32_t num_matches = 0;
+
+ private:
+  void interrupt_if(const ConnectorRequest& r, int64_t& id) {
+    if (&id == &interrupt_match) ++num_matches;
+    if (r.id != id) return;
+    id = -1;
+    throw ConnectorInterrupt();
+  }
+};
+
+// Interrupted while admitting: the batch holds the requests admitted before; the interrupted one
+// waits at the head with no blocks, is neither rejected nor a connector error, and is asked again
+// and served at its next admission.
+TEST(SchedulerContractTest, ConnectorInterruptWhileAdmittingLeavesTheRequestWaiting) {
+  for (bool at_alloc : {false, true}) {
+    SCOPED_TRACE(at_alloc ? "update_state_after_alloc" : "get_num_new_matched_tokens");
+    H h(Cfg(8));
+    auto conn = std::make_shared<InterruptingConnector>();
+    h.s.set_kv_connector(conn);
+    h.add(0, Seq(1, 8), P(1));
+    h.add(1, Seq(20, 8), P(1));
+    h.add(2, Seq(40, 4), P(1));
+    (at_alloc ? conn->interrupt_alloc : conn->interrupt_match) = 1;
+    auto b = h.sched();
+    ASSERT_TRUE(b);
+    EXPECT_EQ(b->req_ids, V64{0}) << "nothing is admitted after the interrupt";
+    EXPECT_EQ(conn->num_matches, 2);
+    EXPECT_EQ(h.s.waiting_ids(), (V64{1, 2}));
+    EXPECT_TRUE(h.s.request(1).block_table.empty());
+    EXPECT_EQ(h.s.block_pool().num_free_blocks(), 6);  // request 0's 2 blocks only
+    EXPECT_TRUE(h.s.take_rejected().empty());
+    EXPECT_TRUE(h.s.take_connector_errors().empty());
+    EXPECT_EQ(h.s.stats().num_connector_errors, 0);
+    EXPECT_EQ(h.s.stats().num_rejected, 0);
+    h.upd(*b, {7});
+    auto b2 = h.sched();
+    ASSERT_TRUE(b2);
+    EXPECT_EQ(b2->req_ids, (V64{1, 2}));
+    EXPECT_EQ(conn->num_matches, 4);
+  }
+}
+
+// Interrupted in request_finished: the request finishes as if the connector kept nothing (its
+// blocks are free at once); the next request's request_finished keeps its blocks as asked.
+TEST(SchedulerContractTest, ConnectorInterruptWhileFinishingFreesTheBlocks) {
+  H h(Cfg(8));
+  auto conn = std::make_shared<InterruptingConnector>();
+  h.s.set_kv_connector(conn);
+  h.add(0, Seq(1, 8), P(1));
+  h.add(1, Seq(20, 4), P(1));
+  auto b = h.sched();
+  ASSERT_TRUE(b);
+  conn->interrupt_finish = 0;
+  auto o = h.upd(*b, {7, 8});
+  EXPECT_EQ(o.why(0), "max_tokens");
+  EXPECT_EQ(o.why(1), "max_tokens");
+  EXPECT_FALSE(h.s.contains(0));
+  EXPECT_TRUE(h.s.contains(1));  // kept for its send
+  EXPECT_EQ(h.s.block_pool().num_free_blocks(), 7);
+  EXPECT_TRUE(h.s.take_connector_errors().empty());
+}
+
 }  // namespace
 }  // namespace atom_sched

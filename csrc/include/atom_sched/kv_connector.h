@@ -9,10 +9,12 @@
 //  * every finish, whatever its reason and whether or not it streams: request_finished(). If it
 //    returns true the request's blocks stay allocated until finished_sending names it.
 // A connector call that throws costs only its request: schedule() rejects the request with the
-// error as its reason; a throwing request_finished() frees the blocks at once.
+// error as its reason; a throwing request_finished() frees the blocks at once. A connector that
+// throws ConnectorInterrupt instead is not failing its request (below).
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <span>
 #include <vector>
 
@@ -43,6 +45,19 @@ struct RemoteMatch {
   /// InvalidArgument naming the bad value. The scheduler calls it on every answer (a bad answer
   /// is a failed connector call); a binding may call it on construction.
   void validate() const;
+};
+
+/// Thrown by a connector to interrupt the scheduler call it is in without judging the request
+/// (the Python binding throws it for KeyboardInterrupt and SystemExit, which must reach the
+/// engine). The scheduler finishes the call consistently: a request being admitted stays at the
+/// head of `waiting` as it was (its blocks, if just allocated, are freed; it is asked again at its
+/// next admission) and no further request is admitted in that call; a request being finished
+/// finishes as if request_finished() had returned false. Nothing is rejected or counted as a
+/// connector error.
+struct ConnectorInterrupt : std::exception {
+  [[nodiscard]] const char* what() const noexcept override {
+    return "a KV connector interrupted the scheduler call";
+  }
 };
 
 class KvConnector {
