@@ -4,9 +4,16 @@ not scheduled read -1."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 
-from atom_sched import SamplingParams, Scheduler, SchedulerConfig, bench
+from atom_sched import SamplingParams, Scheduler, SchedulerConfig
+
+# The harness lives in the repository's benchmarks/, not in the wheel.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import scheduler_bench as bench  # noqa: E402
 
 
 def test_decode_check_accepts_rows_shortened_at_max_model_len():

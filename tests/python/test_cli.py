@@ -12,9 +12,16 @@ import pytest
 CLI = [sys.executable, "-m", "atom_sched.cli"]
 
 
-def run_cli(*args: str | bytes, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    return subprocess.run([*CLI, *args], capture_output=True, timeout=timeout, env=env)
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def run_cli(*args: str | bytes, timeout: float = 600, cwd: Path | None = None,
+            **env: str) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1")
+    full_env.pop("ATOM_SCHED_BENCHMARKS", None)  # found from the cwd unless a test names it
+    full_env.update(env)
+    return subprocess.run([*CLI, *args], capture_output=True, timeout=timeout, env=full_env,
+                          cwd=cwd)
 
 
 BAD_GENERATE = [
@@ -65,6 +72,26 @@ def test_bench_out_must_be_a_writable_directory(tmp_path: Path, kind):
     r = run_cli("bench", "--quick", "--no-cpp", "--out", str(target), timeout=60)
     err = r.stderr.decode().strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and "--out" in err[0], err
+
+
+def test_bench_is_a_thin_entry_to_the_checkouts_harness(tmp_path: Path):
+    """Issue 12 item 20: the harness is benchmarks/scheduler_bench.py, not part of the wheel."""
+    import atom_sched
+
+    assert not (Path(atom_sched.__file__).parent / "bench.py").exists()
+    found = run_cli("bench", "--help", timeout=60)  # from tests/python: found from the cwd up
+    assert found.returncode == 0 and b"usage: atom-sched bench" in found.stdout
+    assert b"--only KEY" in found.stdout
+    outside = run_cli("bench", "--quick", cwd=tmp_path, timeout=60)
+    err = outside.stderr.decode().strip().splitlines()
+    assert outside.returncode == 2 and len(err) == 1, err
+    assert "benchmarks/scheduler_bench.py" in err[0] and "ATOM_SCHED_BENCHMARKS" in err[0]
+    named = run_cli("bench", "--help", cwd=tmp_path, timeout=60,
+                    ATOM_SCHED_BENCHMARKS=str(BENCHMARKS))
+    assert named.returncode == 0 and b"usage: atom-sched bench" in named.stdout
+    wrong = run_cli("bench", "--help", cwd=tmp_path, timeout=60,
+                    ATOM_SCHED_BENCHMARKS=str(tmp_path))
+    assert wrong.returncode == 2 and b"ATOM_SCHED_BENCHMARKS" in wrong.stderr
 
 
 def test_too_long_prompt_prints_the_reason_and_fails():

@@ -13,15 +13,19 @@ decode step had N rows, the prefix-sharing run got cache hits, the preemption ru
 ``check=True`` adds a full per-step verification of the batch arrays and outputs plus the
 scheduler's invariants. A failed verification raises :class:`BenchCheckError`.
 
-Run it with ``atom-sched bench`` (see :mod:`atom_sched.cli`), or from Python::
+It lives in the repository, not in the wheel. Run it with ``atom-sched bench [options]`` from
+anywhere in a checkout (the command finds this file from the current directory up, or through
+$ATOM_SCHED_BENCHMARKS), with ``python benchmarks/scheduler_bench.py [options]``, or from Python
+with ``benchmarks/`` on ``sys.path``::
 
-    from atom_sched import bench
+    import scheduler_bench as bench
     results = bench.run_suite(quick=True)
     print(bench.format_table(results))
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import math
@@ -30,14 +34,14 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import SamplingParams, Scheduler, SchedulerConfig, __version__
+from atom_sched import SamplingParams, Scheduler, SchedulerConfig, __version__
 
 BLOCK_SIZE = 16
 DECODE_SIZES = (64, 256, 1024, 4096)
@@ -676,15 +680,15 @@ def split_slope(results: dict[str, Result]) -> float | None:
 
 
 def find_cpp_bench(explicit: str | None = None) -> Path | None:
-    """The atom_sched_cpp_bench binary: `explicit`, $ATOM_SCHED_CPP_BENCH, or build/cpp/ under the
-    current directory or its parents (so it is found from the repository and from benchmarks/)."""
+    """The atom_sched_cpp_bench binary: `explicit`, $ATOM_SCHED_CPP_BENCH, or build/cpp/ of this
+    checkout (the one this file is in), else under the current directory or its parents."""
     cands: list[Path] = []
     if explicit:
         cands.append(Path(explicit))
     if os.environ.get("ATOM_SCHED_CPP_BENCH"):
         cands.append(Path(os.environ["ATOM_SCHED_CPP_BENCH"]))
     here = Path.cwd().resolve()
-    for d in (here, *here.parents):
+    for d in (Path(__file__).resolve().parent.parent, here, *here.parents):
         cands.append(d / "build" / "cpp" / "atom_sched_cpp_bench")
     for c in cands:
         if c.is_file() and os.access(c, os.X_OK):
@@ -939,10 +943,137 @@ def which_tqdm() -> Any:
     return tqdm
 
 
+# ---------------------------------------------------------------------------------------------
+# Command line (`atom-sched bench`, `python benchmarks/scheduler_bench.py`)
+# ---------------------------------------------------------------------------------------------
+
+
+def _progress(total: int) -> Any:
+    """A wrapper for the workload iterable: tqdm if installed, else a plain counter on stderr."""
+    tqdm = which_tqdm()
+    if tqdm is not None:
+        return lambda it: tqdm(it, total=total, unit="workload", file=sys.stderr,
+                               dynamic_ncols=True)
+
+    def plain(it: Iterable[Any]) -> Iterable[Any]:
+        for i, w in enumerate(it, 1):
+            print(f"[{i}/{total}] {w.label} ...", file=sys.stderr, flush=True)
+            yield w
+
+    return plain
+
+
+def _writable_dir(path: Path) -> str | None:
+    """Why `path` cannot take the benchmark's files, or None (it is made if missing)."""
+    import tempfile
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return f"--out {path}: {e.strerror or e}"
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    b = argparse.ArgumentParser(
+        prog="atom-sched bench",
+        description="Times the scheduler's hot paths through the Python API, batch arrays "
+                    "included, and compares them with the budgets (DESIGN.md section 8).")
+    b.add_argument("--quick", action="store_true",
+                   help="fewer repetitions (a smoke test, well under a minute)")
+    b.add_argument("--check", action="store_true",
+                   help="verify every step's batch arrays, outputs and invariants (untimed)")
+    b.add_argument("--out", default="bench_out", metavar="DIR",
+                   help="where bench.json and decode_us_per_step.png go (default: bench_out)")
+    b.add_argument("--only", metavar="KEY",
+                   help="run only workloads whose key contains KEY (decode_1024, admission, "
+                        "preempt, mtp, ...)")
+    b.add_argument("--cpp-bench", metavar="PATH",
+                   help="the atom_sched_cpp_bench binary for the C++ marginal-cost row "
+                        "(default: $ATOM_SCHED_CPP_BENCH or build/cpp/ found from the cwd)")
+    b.add_argument("--no-cpp", action="store_true", help="skip the C++ benchmark row")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--strict", action="store_true", help="exit 3 if any budget is over")
+    return b
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the suite, prints the table and notes, writes bench.json and the plot. Exit status:
+    0, 1 (a check failed), 2 (bad arguments), 3 (--strict and a budget is over)."""
+    args = build_parser().parse_args(argv)
+    out = Path(args.out)
+    problem = _writable_dir(out)
+    if problem is not None:
+        print(f"atom-sched bench: {problem}", file=sys.stderr)
+        return 2
+    cpp = None
+    if not args.no_cpp:
+        cpp = find_cpp_bench(args.cpp_bench)
+        if cpp is None and args.cpp_bench:
+            print(f"atom-sched bench: {args.cpp_bench} is not an executable", file=sys.stderr)
+            return 2
+    total = len([w for w in workloads(args.quick, args.check)
+                 if args.only is None or args.only in w.key])
+    if total == 0:
+        print(f"atom-sched bench: no workload key contains {args.only!r}", file=sys.stderr)
+        return 2
+    meta = metadata(args.quick, args.check)
+    try:
+        results = run_suite(quick=args.quick, check=args.check, only=args.only, cpp_bench=cpp,
+                            progress=None if args.no_progress else _progress(total))
+    except BenchCheckError as e:
+        print(f"atom-sched bench: CHECK FAILED: {e}", file=sys.stderr)
+        return 1
+    if hasattr(os, "getloadavg"):
+        meta["loadavg_end"] = list(os.getloadavg())
+    header = f"\natom_sched {meta['atom_sched_version']} benchmarks, " + (
+        "quick run" if args.quick else "full run")
+    if args.check:
+        header += ", --check (every step verified outside the timed region)"
+    if meta.get("loadavg"):
+        header += f", load average {meta['loadavg'][0]:.2f} at start"
+    print(header)
+    print(format_table(results))
+    notes = format_notes(results)
+    if notes:
+        print()
+        print(notes)
+    if cpp is None and not args.no_cpp:
+        print("(C++ core slope not measured: build it with `make build-cpp` or pass --cpp-bench)")
+    json_path = out / "bench.json"
+    write_json(json_path, results, meta)
+    print(f"\nwrote {json_path}")
+    png = out / "decode_us_per_step.png"
+    if plot_decode(png, results):
+        print(f"wrote {png}")
+    if args.check:
+        print("check: every workload verified its work (rows, tokens, arrays, cache hits, "
+              "preemptions, invariants): OK")
+    # At the start (at the end it includes this run itself); the per-workload gauges
+    # (CONTENDED/NOISY notes) say which timings other work actually disturbed.
+    load = (meta.get("loadavg") or [0.0])[0]
+    ncpu = os.cpu_count() or 1
+    if load > 0.75 * ncpu:
+        print(f"warning: load average {load:.2f} on {ncpu} CPUs at the start: other work shared "
+              "the machine, so these timings may be pessimistic; rerun when it is idle")
+    over = [r.name for r in results if r.status == "OVER"]
+    if over:
+        print("over budget: " + "; ".join(over))
+        if args.strict:
+            return 3
+    return 0
+
+
 __all__ = [
     "BUDGETS", "BenchCheckError", "Result", "Reps", "Workload",
     "admission", "decode_step", "find_cpp_bench", "format_notes", "format_table",
     "marginal_paired", "split_slope",
     "metadata", "plot_decode", "preemption", "run_cpp_decode", "run_suite", "which_tqdm",
-    "workloads", "write_json",
+    "workloads", "write_json", "build_parser", "main",
 ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
