@@ -231,7 +231,13 @@ void run_decode(benchmark::State& state, int32_t k) {
 }
 
 void BM_DecodeStep(benchmark::State& state) { run_decode(state, 0); }
-BENCHMARK(BM_DecodeStep)->Arg(64)->Arg(256)->Arg(1024)->Arg(4096)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DecodeStep)
+    ->Arg(64)
+    ->Arg(256)
+    ->Arg(1024)
+    ->Arg(4096)
+    ->Arg(16384)
+    ->Unit(benchmark::kMicrosecond);
 
 void BM_DecodeStepMTP3(benchmark::State& state) { run_decode(state, 3); }
 BENCHMARK(BM_DecodeStepMTP3)->Arg(256)->Arg(1024)->Unit(benchmark::kMicrosecond);
