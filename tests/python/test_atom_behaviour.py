@@ -6,7 +6,7 @@ Block size 4 throughout unless said otherwise; token timelines are written in th
 from __future__ import annotations
 
 import pytest
-from conftest import (
+from support import (
     EOS,
     cdiv,
     make_driver,

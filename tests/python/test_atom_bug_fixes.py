@@ -1,7 +1,7 @@
 """One test per ATOM bug that DESIGN.md section 5 fixes in the core (numbers: spec section 8).
 
 Each docstring says what ATOM did and why the test would fail on ATOM's behaviour. The driver
-(conftest.Driver) also checks, in every test, that each streamed token is the model's token for
+(support.Driver) also checks, in every test, that each streamed token is the model's token for
 that position (no placeholder, no lost or duplicated token), that prefill rows carry exactly the
 request's real tokens, and that every log-probability lines up with its token.
 """
@@ -9,7 +9,7 @@ request's real tokens, and that every log-probability lines up with its token.
 from __future__ import annotations
 
 import pytest
-from conftest import (
+from support import (
     EOS,
     Driver,
     cdiv,

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import (
+from support import (
     EOS,
     BatchRecord,
     Driver,

@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="DeviceBatchBuilder needs torch")
 
-from device_support import SpecModel, run_builder  # noqa: E402
+from support.device import SpecModel, run_builder  # noqa: E402
 
 import atom_sched  # noqa: E402
 from atom_sched import DeviceBatchBuilder, SamplingParams, Scheduler, SchedulerConfig  # noqa: E402

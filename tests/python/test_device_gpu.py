@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the GPU suite needs torch")
 
-from device_support import Buffers, SpecModel, random_case, run_builder  # noqa: E402
+from support.device import Buffers, SpecModel, random_case, run_builder  # noqa: E402
 
 from atom_sched import SchedulerConfig, _core  # noqa: E402
 

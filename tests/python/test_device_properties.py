@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torch", reason="the device suites allocate buffers with torch")
 
-from device_support import Buffers, random_case  # noqa: E402
+from support.device import Buffers, random_case  # noqa: E402
 
 from atom_sched import _core  # noqa: E402
 

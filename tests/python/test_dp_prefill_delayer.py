@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dp_scenarios import run_rank  # noqa: E402
+from support.dp_scenarios import run_rank  # noqa: E402
 
 
 def free_port() -> int:

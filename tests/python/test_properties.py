@@ -3,7 +3,7 @@
 Random prompt lengths (with shared prefixes), max_tokens, arrivals between steps, aborts, EOS /
 stop tokens / stop sequences, small pools that force preemption, K in {0, 1, 3}, chunked or not,
 prefix caching on or off, both step protocols. After every schedule and update the driver runs
-check_invariants() and checks the batch (see conftest.Driver); at the end every request ended
+check_invariants() and checks the batch (see support.Driver); at the end every request ended
 exactly once (finished with a reason, rejected or aborted), no KV block is left held, each finished
 request streamed exactly the oracle's tokens and reason, and the synchronous and one-step-ahead
 runs agree.
@@ -14,18 +14,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from conftest import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support import (
     EOS,
     Driver,
     FakeModel,
-    _mix,
     cdiv,
     event_kind,
     make_config,
+    mix,
     sp,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from atom_sched import Scheduler  # noqa: E402
 
@@ -113,7 +113,7 @@ def scenarios(draw: Any, aborts: bool = True, vetoes: bool = False) -> Scenario:
         base = [10 + (family * 37 + i * 13) % 31 for i in range(32)]
         length = draw(st.integers(1, max_model_len + 6))
         shared = min(draw(st.integers(0, 32)), length)
-        tail = [100 + _mix(rid, i) % 1900 for i in range(length - shared)]
+        tail = [100 + mix(rid, i) % 1900 for i in range(length - shared)]
         reqs.append(
             Req(
                 rid=rid,

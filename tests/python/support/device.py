@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from conftest import _mix as mix  # one deterministic mixer for every suite
 
 import atom_sched
 from atom_sched import _core
+
+from .fake_model import mix  # one deterministic mixer for every suite
 
 EOS = 1
 
