@@ -4,6 +4,7 @@ not scheduled read -1."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -40,3 +41,21 @@ def test_decode_check_accepts_rows_shortened_at_max_model_len():
         widths.append([int(x) for x in b.num_scheduled_tokens])
         prev = bench._check_decode_step(s, b, out, n, k, acc, drafts, prev)
     assert [3, 4] in widths, widths  # row 0 at position 37: positions 37..39 only
+
+
+def test_every_reported_figure_is_measured_in_the_run(tmp_path):
+    """Issue 12 item 19: no column or field is computed from a constant (the old 'ATOM est.' and
+    'speed-up' columns came from a hard-coded 20 us per request): the table's numbers and the
+    JSON's results are this run's timings, and the JSON names the machine load they ran under."""
+    results = bench.run_suite(quick=True, only="decode_64")
+    table = bench.format_table(results)
+    header = table.splitlines()[0].lower()
+    assert "atom" not in header and "speed" not in header, header
+    assert not any("ATOM" in name for name in dir(bench) if name.isupper())
+    (res,) = results
+    assert res.key == "decode_64" and res.reps > 0 and res.median > 0
+    path = tmp_path / "bench.json"
+    bench.write_json(path, results, bench.metadata(True, False))
+    data = json.loads(path.read_text())
+    assert "loadavg" in data["meta"] and data["meta"]["quick"] is True
+    assert set(data["results"][0]) >= {"median", "p10", "p90", "reps"}
