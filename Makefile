@@ -37,7 +37,7 @@ CMAKE_COMMON := -G Ninja -DATOM_SCHED_BUILD_TESTS=ON -DATOM_SCHED_BUILD_PYTHON=O
 SANITIZER_ENV := ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
 
 .PHONY: deps deps-build test-all help venv install demo demo-toy bench-engine build-cpp test-cpp build-asan test-asan test-python test bench clean distclean \
-        build-cuda check-hip gpu-check fuzz lint bench-device
+        build-cuda check-hip gpu-check gpu-check-rehearsal fuzz lint bench-device
 
 help:
 	@echo "make demo          set up, build, install, then serve SmolLM2-135M with the example engine"
@@ -54,6 +54,7 @@ help:
 	@echo "make lint          ruff (Python) and the 100-column check (C++)"
 	@echo "make fuzz          libFuzzer (ASan+UBSan) on the scheduler for FUZZ_SECONDS (30)"
 	@echo "make gpu-check     on a machine with a GPU: scripts/gpu_check.sh (GPU tests + kernel timings)"
+	@echo "make gpu-check-rehearsal  scripts/gpu_check.sh on the HIP_CPU back end (no GPU needed)"
 	@echo "make bench-device  the device builder's CPU reference path, cost per row"
 	@echo "make bench         run the benchmarks (atom-sched bench)"
 	@echo "make bench-engine  tokens/s of the example engine vs transformers' generate"
@@ -181,6 +182,12 @@ test-hip-cpu-python: $(HIP_CPU_PY_BUILD)/build.ninja
 gpu-check:
 	bash scripts/gpu_check.sh
 
+# The GPU check's every step on the HIP_CPU back end (reusing test-hip-cpu-python's build), so that
+# scripts/gpu_check.sh runs in every CI run and works the first time a GPU is lent.
+gpu-check-rehearsal: test-hip-cpu-python
+	OUT=build/gpu-check-rehearsal PYTHON=$(VPY) GPU_CHECK_BUILD=$(HIP_CPU_PY_BUILD) JOBS=$(JOBS) \
+	  bash scripts/gpu_check.sh hip-cpu
+
 # libFuzzer (clang, with ASan + UBSan) over the scheduler's public operations for FUZZ_SECONDS.
 CLANGXX      ?= $(firstword $(shell command -v clang++-15 clang++ 2>/dev/null))
 FUZZ_SECONDS ?= 30
@@ -209,7 +216,7 @@ lint: venv
 test: deps
 	$(MAKE) test-all
 
-test-all: lint build-cuda check-hip test-hip-cpu test-hip-cpu-python fuzz test-cpp test-asan test-python
+test-all: lint build-cuda check-hip test-hip-cpu test-hip-cpu-python gpu-check-rehearsal fuzz test-cpp test-asan test-python
 
 # The example engine (atom_sched/engine): SmolLM2-135M-Instruct on the CPU answers several prompts
 # served together (continuous batching; a 10-block KV pool and a 32-token budget, so chunked

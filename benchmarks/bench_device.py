@@ -216,7 +216,8 @@ def table(results: list[dict[str, Any]], gpu: bool) -> str:
             for r in results
         ]
     else:
-        head = ("| rows | K | prepare µs (host, CPU reference) | accept µs | ns per row "
+        path = "HIP-CPU kernels" if _core.device_backend() == "hip-cpu" else "CPU reference"
+        head = (f"| rows | K | prepare µs (host, {path}) | accept µs | ns per row "
                 "(prepare + accept) | upload B/row |")
         sep = "|---:|---:|---:|---:|---:|---:|"
         lines = [head, sep] + [
