@@ -63,6 +63,7 @@ class SamplingParams:
     stop_token_ids: list[int]
     stop_token_sequences: list[list[int]]
     seed: int
+    min_tokens: int
     def __init__(
         self,
         *,
@@ -76,6 +77,7 @@ class SamplingParams:
         stop_token_ids: Sequence[int] = ...,
         stop_token_sequences: Sequence[Sequence[int]] = ...,
         seed: int = -1,
+        min_tokens: int = 0,
     ) -> None: ...
     def validate(self) -> None: ...
 

@@ -40,9 +40,9 @@ constexpr std::array<const char*, 13> kSchedulerConfigFields = {
     "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "enable_prefix_caching", "enable_chunked_prefill", "num_speculative_tokens", "eos_token_id",
     "stop_token_ids", "scheduler_delay_factor", "enable_kv_events", "num_state_slots"};
-constexpr std::array<const char*, 10> kSamplingParamsFields = {
+constexpr std::array<const char*, 11> kSamplingParamsFields = {
     "temperature", "top_k", "top_p", "max_tokens", "ignore_eos", "n", "logprobs",
-    "stop_token_ids", "stop_token_sequences", "seed"};
+    "stop_token_ids", "stop_token_sequences", "seed", "min_tokens"};
 
 }  // namespace
 
@@ -107,7 +107,8 @@ void bind_config(py::module_& m) {
   params.def(py::init([](float temperature, int32_t top_k, float top_p, int32_t max_tokens,
                        bool ignore_eos, int32_t n, bool logprobs,
                        std::vector<int32_t> stop_token_ids,
-                       std::vector<std::vector<int32_t>> stop_token_sequences, int64_t seed) {
+                       std::vector<std::vector<int32_t>> stop_token_sequences, int64_t seed,
+                       int32_t min_tokens) {
              SamplingParams p;
              p.temperature = temperature;
              p.top_k = top_k;
@@ -119,13 +120,15 @@ void bind_config(py::module_& m) {
              p.stop_token_ids = std::move(stop_token_ids);
              p.stop_token_sequences = std::move(stop_token_sequences);
              p.seed = seed;
+             p.min_tokens = min_tokens;
              p.validate();
              return p;
            }),
            py::kw_only(), "temperature"_a = 1.0f, "top_k"_a = -1, "top_p"_a = 1.0f,
            "max_tokens"_a = 64, "ignore_eos"_a = false, "n"_a = 1, "logprobs"_a = false,
            "stop_token_ids"_a = std::vector<int32_t>{},
-           "stop_token_sequences"_a = std::vector<std::vector<int32_t>>{}, "seed"_a = -1)
+           "stop_token_sequences"_a = std::vector<std::vector<int32_t>>{}, "seed"_a = -1,
+           "min_tokens"_a = 0)
       .def_readwrite("temperature", &SamplingParams::temperature)
       .def_readwrite("top_k", &SamplingParams::top_k)
       .def_readwrite("top_p", &SamplingParams::top_p)
@@ -136,11 +139,13 @@ void bind_config(py::module_& m) {
       .def_readwrite("stop_token_ids", &SamplingParams::stop_token_ids)
       .def_readwrite("stop_token_sequences", &SamplingParams::stop_token_sequences)
       .def_readwrite("seed", &SamplingParams::seed)
+      .def_readwrite("min_tokens", &SamplingParams::min_tokens)
       .def("validate", &SamplingParams::validate)
       .def("__repr__", [](const SamplingParams& p) {
         return "SamplingParams(temperature=" + std::to_string(p.temperature) +
                ", top_k=" + std::to_string(p.top_k) + ", top_p=" + std::to_string(p.top_p) +
                ", max_tokens=" + std::to_string(p.max_tokens) +
+               ", min_tokens=" + std::to_string(p.min_tokens) +
                ", ignore_eos=" + (p.ignore_eos ? "True" : "False") + ")";
       });
   add_pickle(params, kSamplingParamsFields);

@@ -53,6 +53,9 @@ void SamplingParams::validate() const {
           "top_k must be -1 (disabled) or >= 1" + got(int64_t{top_k}));
   require(top_p > 0.0f && top_p <= 1.0f, "top_p must be in range (0.0, 1.0]" + got(double{top_p}));
   require(max_tokens >= 1, "max_tokens must be >= 1" + got(int64_t{max_tokens}));
+  require(min_tokens >= 0 && min_tokens <= max_tokens,
+          "min_tokens must be in range [0, max_tokens=" + std::to_string(max_tokens) + "]" +
+              got(int64_t{min_tokens}));
   require(n >= 1, "n must be >= 1" + got(int64_t{n}));
   require(seed >= -1, "seed must be >= 0, or -1 for none" + got(int64_t{seed}));
   for (int32_t t : stop_token_ids)

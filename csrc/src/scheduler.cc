@@ -205,6 +205,7 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.top_p = params.top_p;
   r.seed = params.seed;
   r.max_tokens = params.max_tokens;
+  r.min_tokens = params.min_tokens;
   r.ignore_eos = params.ignore_eos;
   r.arrival_time = arrival_time;
   // Reserve for the request's whole life once, so decode steps never reallocate.

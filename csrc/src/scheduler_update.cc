@@ -71,6 +71,8 @@ FinishReason Scheduler::length_stop(const Request& r) const {
 FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const {
   const int32_t tok = r.tokens.back();
   const int32_t generated = r.num_generated();
+  // min_tokens (vLLM's semantics): before that many tokens only the length rules end a request.
+  if (generated < r.min_tokens) return length_stop(r);
   if (!r.has_stop_lists) {
     if (!r.ignore_eos && tok == config_.eos_token_id) return FinishReason::kEos;
     return length_stop(r);

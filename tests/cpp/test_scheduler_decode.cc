@@ -495,6 +495,42 @@ TEST(SchedulerTest, EosAndStopTokens) {
   EXPECT_EQ(h.s.block_pool().num_free_blocks(), 16);
 }
 
+// min_tokens 3 (vLLM's semantics): EOS, a stop id and a stop sequence in the first two tokens end
+// nothing; the third token is the first that may stop (here EOS). Request 2 (min_tokens 1): its
+// first token may stop it, and EOS does, before the max_tokens rule, as without min_tokens.
+TEST(SchedulerTest, MinTokensHoldsBackEveryStopButTheLengthRules) {
+  SchedulerConfig c = Cfg(16);
+  c.eos_token_id = 2;
+  c.stop_token_ids = {99};
+  H h(c);
+  SamplingParams p = P();
+  p.min_tokens = 3;
+  p.stop_token_sequences = {{2, 99}};
+  h.add(1, {10, 11}, p);
+  SamplingParams q = P(1);
+  q.min_tokens = 1;
+  h.add(2, {20, 21}, q);
+  auto s = h.sched();
+  ASSERT_TRUE(s);
+  auto o = h.upd(*s, {2, 2});
+  EXPECT_EQ(o.why(1), "");  // EOS as the 1st token: below min_tokens
+  EXPECT_EQ(o.why(2), "eos");
+  s = h.sched();
+  ASSERT_TRUE(s);
+  EXPECT_EQ(h.upd(*s, {99}).why(1), "");  // a stop id that also completes the stop sequence
+  s = h.sched();
+  ASSERT_TRUE(s);
+  o = h.upd(*s, {2});
+  EXPECT_EQ(o.why(1), "eos");
+  EXPECT_EQ(h.s.stats().num_finished, 2);
+  SamplingParams bad = P(4);
+  bad.min_tokens = 5;
+  EXPECT_THROW(h.s.add_request(3, V{1}, bad), InvalidArgument);
+  bad.min_tokens = -1;
+  EXPECT_THROW(h.s.add_request(3, V{1}, bad), InvalidArgument);
+  EXPECT_FALSE(h.s.contains(3));
+}
+
 // A = [5,6] with stop sequence [6,7]; the window never reaches into the prompt (fix 8.11).
 //   gen 7: tokens end with 6,7 but the 6 is a prompt token -> continue
 //   gen 6, gen 7: the generated tokens end with [6,7] -> "stop_sequence", 7 kept

@@ -108,6 +108,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           SamplingParams p;
           p.max_tokens = in.below(20);
           p.ignore_eos = in.next() & 1;
+          if (in.below(4) == 0) p.min_tokens = in.below(22) - 1;  // sometimes invalid
           if (in.below(4) == 0) p.stop_token_sequences.push_back({in.below(12), in.below(12)});
           if (in.below(4) == 0) p.stop_token_ids.push_back(in.below(12));
           const int64_t id = in.below(6) == 0 ? in.below(4) - 1 : next_id++;

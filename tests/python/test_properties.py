@@ -1,12 +1,12 @@
 """Property tests over random request streams (hypothesis).
 
-Random prompt lengths (with shared prefixes), max_tokens, arrivals between steps, aborts, EOS /
-stop tokens / stop sequences, small pools that force preemption, K in {0, 1, 3}, chunked or not,
-prefix caching on or off, both step protocols. After every schedule and update the driver runs
-check_invariants() and checks the batch (see support.Driver); at the end every request ended
-exactly once (finished with a reason, rejected or aborted), no KV block is left held, each finished
-request streamed exactly the oracle's tokens and reason, and the synchronous and one-step-ahead
-runs agree.
+Random prompt lengths (with shared prefixes), max_tokens, min_tokens, arrivals between steps,
+aborts, EOS / stop tokens / stop sequences, small pools that force preemption, K in {0, 1, 3},
+chunked or not, prefix caching on or off, both step protocols. After every schedule and update the
+driver runs check_invariants() and checks the batch (see support.Driver); at the end every request
+ended exactly once (finished with a reason, rejected or aborted), no KV block is left held, each
+finished request streamed exactly the oracle's tokens and reason, and the synchronous and
+one-step-ahead runs agree.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class Req:
     special: str  # "", "eos", "stop", "seq"
     special_at: int
     logprobs: bool
+    min_tokens: int = 0  # the special token before it must not stop the request
 
 
 @dataclass
@@ -114,17 +115,19 @@ def scenarios(draw: Any, aborts: bool = True, vetoes: bool = False) -> Scenario:
         length = draw(st.integers(1, max_model_len + 6))
         shared = min(draw(st.integers(0, 32)), length)
         tail = [100 + mix(rid, i) % 1900 for i in range(length - shared)]
+        max_tokens = draw(st.integers(1, 24))
         reqs.append(
             Req(
                 rid=rid,
                 prompt=base[:shared] + tail,
-                max_tokens=draw(st.integers(1, 24)),
+                max_tokens=max_tokens,
                 arrival=draw(st.integers(0, 16)),
                 abort_at=draw(st.none() | st.integers(0, 40)) if aborts else None,
                 ignore_eos=draw(st.booleans()),
                 special=draw(st.sampled_from(["", "", "eos", "stop", "seq"])),
                 special_at=draw(st.integers(0, 16)),
                 logprobs=draw(st.booleans()),
+                min_tokens=min(draw(st.sampled_from([0, 0, 0, 2, 8, 24])), max_tokens),
             )
         )
     return Scenario(
@@ -174,6 +177,7 @@ def run(scn: Scenario, mode: str) -> Driver:
             if r.arrival == it:
                 params = sp(
                     max_tokens=r.max_tokens,
+                    min_tokens=r.min_tokens,
                     ignore_eos=r.ignore_eos,
                     logprobs=r.logprobs,
                     stop_token_sequences=[STOP_SEQ] if r.special == "seq" else [],

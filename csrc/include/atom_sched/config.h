@@ -37,6 +37,7 @@ struct SamplingParams {
   int32_t top_k = -1;        // -1 disables, else >= 1
   float top_p = 1.0f;        // in (0, 1]
   int32_t max_tokens = 64;   // generated tokens at most (>= 1)
+  int32_t min_tokens = 0;    // EOS, stop tokens and sequences end nothing before (vLLM's)
   bool ignore_eos = false;   // ignore EOS only (stop tokens and sequences still stop)
   int32_t n = 1;             // fan-out is the engine's job: the scheduler accepts 1 only
   bool logprobs = false;     // stream the sampled tokens' log-probabilities

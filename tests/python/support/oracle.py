@@ -19,6 +19,7 @@ def cdiv(a: int, b: int) -> int:
 class ReqInfo:
     prompt: list[int]
     max_tokens: int
+    min_tokens: int
     ignore_eos: bool
     stop_ids: list[int]
     stop_seqs: list[list[int]]
@@ -33,6 +34,7 @@ def req_info(prompt: list[int], sp: SamplingParams | None) -> ReqInfo:
     return ReqInfo(
         prompt=list(prompt),
         max_tokens=int(sp.max_tokens),
+        min_tokens=int(sp.min_tokens),
         ignore_eos=bool(sp.ignore_eos),
         stop_ids=[int(x) for x in sp.stop_token_ids],
         stop_seqs=[[int(x) for x in s] for s in sp.stop_token_sequences],
@@ -57,12 +59,13 @@ def expected_output(
         t = model.token(rid, g)
         out.append(t)
         g += 1
-        if any(len(out) >= len(s) and out[-len(s) :] == s for s in info.stop_seqs):
-            return out, "stop_sequence"
-        if eos >= 0 and t == eos and not info.ignore_eos:
-            return out, "eos"
-        if t in stop_ids:
-            return out, f"stop_{t}"
+        if len(out) >= info.min_tokens:  # before min_tokens only the length rules stop
+            if any(len(out) >= len(s) and out[-len(s) :] == s for s in info.stop_seqs):
+                return out, "stop_sequence"
+            if eos >= 0 and t == eos and not info.ignore_eos:
+                return out, "eos"
+            if t in stop_ids:
+                return out, f"stop_{t}"
         if len(out) >= info.max_tokens:
             return out, "max_tokens"
         if len(info.prompt) + len(out) >= max_len:
