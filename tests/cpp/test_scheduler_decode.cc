@@ -453,15 +453,20 @@ TEST(SchedulerTest, FinishReasonStrings) {
   EXPECT_EQ(finish_reason_string(FinishReason::kAborted, -1), "abort");
 }
 
+// 16 blocks, EOS 2, config stop tokens {99}.
+SchedulerConfig EosAndStopCfg() {
+  SchedulerConfig c = Cfg(16);
+  c.eos_token_id = 2;
+  c.stop_token_ids = {99};
+  return c;
+}
+
 // EOS 2, config stop tokens {99}.
 //   A (ignore_eos, request stop {77}): 2 -> continues; 77 -> "stop_77"
 //   B (ignore_eos): 2 -> continues; 99 -> "stop_99" (ignore_eos ignores only EOS, fix 8.12)
 //   C: 99 -> "stop_99"        D: 2 -> "eos"        (the stop token is kept in the output)
 TEST(SchedulerTest, EosAndStopTokens) {
-  SchedulerConfig c = Cfg(16);
-  c.eos_token_id = 2;
-  c.stop_token_ids = {99};
-  H h(c);
+  H h(EosAndStopCfg());
   SamplingParams pa = P();
   pa.ignore_eos = true;
   pa.stop_token_ids = {77};
@@ -498,11 +503,9 @@ TEST(SchedulerTest, EosAndStopTokens) {
 // min_tokens 3 (vLLM's semantics): EOS, a stop id and a stop sequence in the first two tokens end
 // nothing; the third token is the first that may stop (here EOS). Request 2 (min_tokens 1): its
 // first token may stop it, and EOS does, before the max_tokens rule, as without min_tokens.
-TEST(SchedulerTest, MinTokensHoldsBackEveryStopButTheLengthRules) {
-  SchedulerConfig c = Cfg(16);
-  c.eos_token_id = 2;
-  c.stop_token_ids = {99};
-  H h(c);
+// (A length rule before min_tokens: tests/python/test_min_tokens.py.)
+TEST(SchedulerTest, MinTokensHoldsBackEosStopIdsAndStopSequences) {
+  H h(EosAndStopCfg());
   SamplingParams p = P();
   p.min_tokens = 3;
   p.stop_token_sequences = {{2, 99}};
