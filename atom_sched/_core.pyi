@@ -2,6 +2,7 @@
 tests/python/test_stubs.py)."""
 
 from collections.abc import Iterator, Sequence
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +32,8 @@ class SchedulerConfig:
     scheduler_delay_factor: float
     enable_kv_events: bool
     num_state_slots: int
+    scheduling: Literal["fcfs", "priority"]
+    long_prefill_token_threshold: int
     def __init__(
         self,
         num_blocks: int,
@@ -47,6 +50,8 @@ class SchedulerConfig:
         scheduler_delay_factor: float = 0.0,
         enable_kv_events: bool = False,
         num_state_slots: int = 0,
+        scheduling: Literal["fcfs", "priority"] = "fcfs",
+        long_prefill_token_threshold: int = 0,
     ) -> None: ...
     def validate(self) -> None: ...
     @property
@@ -64,6 +69,7 @@ class SamplingParams:
     stop_token_sequences: list[list[int]]
     seed: int
     min_tokens: int
+    priority: int
     def __init__(
         self,
         *,
@@ -78,6 +84,7 @@ class SamplingParams:
         stop_token_sequences: Sequence[Sequence[int]] = ...,
         seed: int = -1,
         min_tokens: int = 0,
+        priority: int = 0,
     ) -> None: ...
     def validate(self) -> None: ...
 

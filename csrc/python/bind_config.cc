@@ -36,13 +36,25 @@ void add_pickle(py::class_<T>& cls, const std::array<const char*, N>& fields) {
   });
 }
 
-constexpr std::array<const char*, 13> kSchedulerConfigFields = {
+constexpr std::array<const char*, 15> kSchedulerConfigFields = {
     "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "enable_prefix_caching", "enable_chunked_prefill", "num_speculative_tokens", "eos_token_id",
-    "stop_token_ids", "scheduler_delay_factor", "enable_kv_events", "num_state_slots"};
-constexpr std::array<const char*, 11> kSamplingParamsFields = {
+    "stop_token_ids", "scheduler_delay_factor", "enable_kv_events", "num_state_slots",
+    "scheduling", "long_prefill_token_threshold"};
+constexpr std::array<const char*, 12> kSamplingParamsFields = {
     "temperature", "top_k", "top_p", "max_tokens", "ignore_eos", "n", "logprobs",
-    "stop_token_ids", "stop_token_sequences", "seed", "min_tokens"};
+    "stop_token_ids", "stop_token_sequences", "seed", "min_tokens", "priority"};
+
+// SchedulerConfig.scheduling in Python: vLLM's policy names.
+const char* scheduling_name(SchedulingPolicy p) {
+  return p == SchedulingPolicy::kPriority ? "priority" : "fcfs";
+}
+
+SchedulingPolicy scheduling_from(const std::string& name) {
+  if (name == "fcfs") return SchedulingPolicy::kFcfs;
+  if (name == "priority") return SchedulingPolicy::kPriority;
+  throw py::value_error("scheduling must be 'fcfs' or 'priority', got '" + name + "'");
+}
 
 }  // namespace
 
@@ -54,7 +66,8 @@ void bind_config(py::module_& m) {
                        bool enable_prefix_caching, bool enable_chunked_prefill,
                        int32_t num_speculative_tokens, int32_t eos_token_id,
                        std::vector<int32_t> stop_token_ids, double scheduler_delay_factor,
-                       bool enable_kv_events, int32_t num_state_slots) {
+                       bool enable_kv_events, int32_t num_state_slots,
+                       const std::string& scheduling, int32_t long_prefill_token_threshold) {
              SchedulerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -69,6 +82,8 @@ void bind_config(py::module_& m) {
              c.scheduler_delay_factor = scheduler_delay_factor;
              c.enable_kv_events = enable_kv_events;
              c.num_state_slots = num_state_slots;
+             c.scheduling = scheduling_from(scheduling);
+             c.long_prefill_token_threshold = long_prefill_token_threshold;
              return c;
            }),
            "num_blocks"_a, py::kw_only(), "block_size"_a = 16, "max_num_seqs"_a = 256,
@@ -76,7 +91,8 @@ void bind_config(py::module_& m) {
            "enable_prefix_caching"_a = true, "enable_chunked_prefill"_a = true,
            "num_speculative_tokens"_a = 0, "eos_token_id"_a = -1,
            "stop_token_ids"_a = std::vector<int32_t>{}, "scheduler_delay_factor"_a = 0.0,
-           "enable_kv_events"_a = false, "num_state_slots"_a = 0)
+           "enable_kv_events"_a = false, "num_state_slots"_a = 0, "scheduling"_a = "fcfs",
+           "long_prefill_token_threshold"_a = 0)
       .def_readwrite("num_blocks", &SchedulerConfig::num_blocks)
       .def_readwrite("block_size", &SchedulerConfig::block_size)
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
@@ -90,6 +106,11 @@ void bind_config(py::module_& m) {
       .def_readwrite("scheduler_delay_factor", &SchedulerConfig::scheduler_delay_factor)
       .def_readwrite("enable_kv_events", &SchedulerConfig::enable_kv_events)
       .def_readwrite("num_state_slots", &SchedulerConfig::num_state_slots)
+      .def_property(
+          "scheduling", [](const SchedulerConfig& c) { return scheduling_name(c.scheduling); },
+          [](SchedulerConfig& c, const std::string& name) { c.scheduling = scheduling_from(name); })
+      .def_readwrite("long_prefill_token_threshold",
+                     &SchedulerConfig::long_prefill_token_threshold)
       .def("validate", &SchedulerConfig::validate, "Raises ValueError naming an invalid field.")
       .def_property_readonly("max_blocks_per_request", &SchedulerConfig::max_blocks_per_request)
       .def("__repr__", [](const SchedulerConfig& c) {
@@ -98,7 +119,8 @@ void bind_config(py::module_& m) {
                ", max_num_seqs=" + std::to_string(c.max_num_seqs) +
                ", max_num_batched_tokens=" + std::to_string(c.max_num_batched_tokens) +
                ", max_model_len=" + std::to_string(c.max_model_len) +
-               ", num_speculative_tokens=" + std::to_string(c.num_speculative_tokens) + ")";
+               ", num_speculative_tokens=" + std::to_string(c.num_speculative_tokens) +
+               ", scheduling='" + scheduling_name(c.scheduling) + "')";
       });
   add_pickle(config, kSchedulerConfigFields);
 
@@ -108,7 +130,7 @@ void bind_config(py::module_& m) {
                        bool ignore_eos, int32_t n, bool logprobs,
                        std::vector<int32_t> stop_token_ids,
                        std::vector<std::vector<int32_t>> stop_token_sequences, int64_t seed,
-                       int32_t min_tokens) {
+                       int32_t min_tokens, int32_t priority) {
              SamplingParams p;
              p.temperature = temperature;
              p.top_k = top_k;
@@ -121,6 +143,7 @@ void bind_config(py::module_& m) {
              p.stop_token_sequences = std::move(stop_token_sequences);
              p.seed = seed;
              p.min_tokens = min_tokens;
+             p.priority = priority;
              p.validate();
              return p;
            }),
@@ -128,7 +151,7 @@ void bind_config(py::module_& m) {
            "max_tokens"_a = 64, "ignore_eos"_a = false, "n"_a = 1, "logprobs"_a = false,
            "stop_token_ids"_a = std::vector<int32_t>{},
            "stop_token_sequences"_a = std::vector<std::vector<int32_t>>{}, "seed"_a = -1,
-           "min_tokens"_a = 0)
+           "min_tokens"_a = 0, "priority"_a = 0)
       .def_readwrite("temperature", &SamplingParams::temperature)
       .def_readwrite("top_k", &SamplingParams::top_k)
       .def_readwrite("top_p", &SamplingParams::top_p)
@@ -140,13 +163,15 @@ void bind_config(py::module_& m) {
       .def_readwrite("stop_token_sequences", &SamplingParams::stop_token_sequences)
       .def_readwrite("seed", &SamplingParams::seed)
       .def_readwrite("min_tokens", &SamplingParams::min_tokens)
+      .def_readwrite("priority", &SamplingParams::priority)
       .def("validate", &SamplingParams::validate)
       .def("__repr__", [](const SamplingParams& p) {
         return "SamplingParams(temperature=" + std::to_string(p.temperature) +
                ", top_k=" + std::to_string(p.top_k) + ", top_p=" + std::to_string(p.top_p) +
                ", max_tokens=" + std::to_string(p.max_tokens) +
                ", min_tokens=" + std::to_string(p.min_tokens) +
-               ", ignore_eos=" + (p.ignore_eos ? "True" : "False") + ")";
+               ", ignore_eos=" + (p.ignore_eos ? "True" : "False") +
+               ", priority=" + std::to_string(p.priority) + ")";
       });
   add_pickle(params, kSamplingParamsFields);
 }

@@ -38,6 +38,13 @@ void SchedulerConfig::validate() const {
   require(scheduler_delay_factor >= 0.0,
           "scheduler_delay_factor must be >= 0" + got(scheduler_delay_factor));
   require(num_state_slots >= 0, "num_state_slots must be >= 0" + got(int64_t{num_state_slots}));
+  require(scheduling == SchedulingPolicy::kFcfs || scheduling == SchedulingPolicy::kPriority,
+          "scheduling must be FCFS or priority" + got(int64_t{static_cast<int>(scheduling)}));
+  require(long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0" +
+                                                 got(int64_t{long_prefill_token_threshold}));
+  require(long_prefill_token_threshold == 0 || enable_chunked_prefill,
+          "long_prefill_token_threshold caps a request's prefill chunk: it needs "
+          "enable_chunked_prefill=True");
 }
 
 int32_t SchedulerConfig::max_blocks_per_request() const {

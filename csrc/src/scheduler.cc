@@ -1,10 +1,12 @@
 #include "atom_sched/scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <string>
 
 #include "atom_sched/errors.h"
+#include "atom_sched/policy.h"
 #include "atom_sched/xxhash64.h"
 #include "scheduler_internal.h"
 
@@ -126,22 +128,33 @@ const Request& Scheduler::request(int64_t id) const {
 // ---------------------------------------------------------------------------------------------
 // Intrusive lists (waiting, running): O(1) push, pop and removal from the middle.
 
-void Scheduler::list_push_back(List& l, int32_t slot) {
+void Scheduler::list_insert_after(List& l, int32_t after, int32_t slot) {
   Link& r = links_[slot];
-  r.prev = l.tail;
-  r.next = -1;
-  (l.tail >= 0 ? links_[l.tail].next : l.head) = slot;
-  l.tail = slot;
+  r.prev = after;
+  r.next = after >= 0 ? links_[after].next : l.head;
+  (after >= 0 ? links_[after].next : l.head) = slot;
+  (r.next >= 0 ? links_[r.next].prev : l.tail) = slot;
   ++l.size;
 }
 
-void Scheduler::list_push_front(List& l, int32_t slot) {
-  Link& r = links_[slot];
-  r.prev = -1;
-  r.next = l.head;
-  (l.head >= 0 ? links_[l.head].prev : l.tail) = slot;
-  l.head = slot;
-  ++l.size;
+void Scheduler::enqueue(List& l, int32_t slot, bool preempted) {
+  const ServiceOrder order{config_.scheduling};
+  if (!order.sorted()) {
+    list_insert_after(l, preempted ? -1 : l.tail, slot);
+    return;
+  }
+  // Sorted: walk from the end the request most likely belongs near (a preempted request was
+  // admitted before most of what waits; an arrival or admission comes after most of the queue).
+  const Request& r = requests_[slot];
+  if (preempted) {
+    int32_t after = -1;
+    for (int32_t e = l.head; e >= 0 && !order(r, requests_[e]); e = links_[e].next) after = e;
+    list_insert_after(l, after, slot);
+  } else {
+    int32_t after = l.tail;
+    while (after >= 0 && order(r, requests_[after])) after = links_[after].prev;
+    list_insert_after(l, after, slot);
+  }
 }
 
 void Scheduler::list_remove(List& l, int32_t slot) {
@@ -178,6 +191,9 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
                           "a transfer; it can be reused once update_from_kv_xfer_finished() "
                           "reports it (finished_sending / finished_recving)");
   if (prompt.empty()) throw InvalidArgument("request " + id_str(id) + ": the prompt is empty");
+  if (!std::isfinite(arrival_time))
+    throw InvalidArgument("request " + id_str(id) + ": arrival_time must be finite, got " +
+                          std::to_string(arrival_time));
   for (size_t i = 0; i < prompt.size(); ++i)
     if (prompt[i] < 0)
       throw InvalidArgument("request " + id_str(id) + ": prompt token " + std::to_string(i) +
@@ -186,6 +202,10 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   if (params.n != 1)
     throw InvalidArgument("n > 1 is not supported by the scheduler: the engine fans a request "
                           "out into n requests");
+  if (params.priority != 0 && config_.scheduling != SchedulingPolicy::kPriority)
+    throw InvalidArgument("request " + id_str(id) + " has priority " +
+                          std::to_string(params.priority) +
+                          " but priority scheduling is not enabled (scheduling=\"priority\")");
 
   const int32_t slot = new_slot();
   Request& r = requests_[slot];
@@ -208,6 +228,8 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.min_tokens = params.min_tokens;
   r.ignore_eos = params.ignore_eos;
   r.arrival_time = arrival_time;
+  r.priority = params.priority;
+  r.arrival_seq = next_arrival_seq_++;
   // Reserve for the request's whole life once, so decode steps never reallocate.
   const int64_t most_tokens =
       std::min<int64_t>(int64_t{r.num_prompt_tokens} + params.max_tokens,
@@ -237,7 +259,7 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.pending_stop = FinishReason::kNone;
   r.pending_stop_token = -1;
   slot_by_id_[id] = slot;
-  list_push_back(waiting_, slot);
+  enqueue(waiting_, slot);
 }
 
 void Scheduler::abort_request(int64_t id) {
@@ -354,21 +376,27 @@ bool Scheduler::passed_delay(double now) {
          running_.size == 0;
 }
 
+PrefillChunk Scheduler::prefill_chunk() const {
+  return {config_.enable_chunked_prefill, config_.long_prefill_token_threshold};
+}
+
 void Scheduler::schedule_prefills(Batch& b, double now) {
   const int32_t budget = config_.max_num_batched_tokens;
   const int32_t max_rows = config_.max_num_seqs;
+  const PrefillChunk chunk_of = prefill_chunk();
 
   // Phase 1: resume partial prefills, in running order.
   for (int32_t s = running_.head; s >= 0 && num_partial_ > 0; s = links_[s].next) {
     if (b.num_rows >= max_rows) break;
     const Request& r = requests_[s];
     if (!r.is_partial_prefill()) continue;
-    const int32_t chunk = std::min(r.prefill_target - r.num_computed_tokens, budget - b.num_tokens);
+    const int32_t chunk = chunk_of(r.prefill_target - r.num_computed_tokens,
+                                   budget - b.num_tokens, /*must_chunk=*/true);
     if (chunk <= 0) break;
     add_prefill_row(b, s, chunk);
   }
 
-  // Phase 2: admit from the head of waiting (strict FCFS).
+  // Phase 2: admit from the head of waiting, in service order, until one does not fit.
   if (config_.scheduler_delay_factor > 0 && !passed_delay(now)) return;
   const int32_t bs = config_.block_size;
   const bool needs_state = config_.num_state_slots > 0;
@@ -401,16 +429,11 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
         continue;
       }
     }
-    const int32_t num_new = r.num_tokens() - hits * bs;
-    const int32_t left = budget - b.num_tokens;
-    int32_t chunk = num_new;
-    if (match.load_async) {
-      chunk = 0;  // the remote prefill computes it
-    } else if (config_.enable_chunked_prefill || r.preempted) {
-      chunk = std::min(num_new, left);
-    } else if (num_new > left && b.num_tokens > 0) {
-      break;
-    }
+    // A remote prefill computes the prompt: its request takes no budget.
+    const int32_t chunk =
+        match.load_async ? 0
+                         : chunk_of(r.num_tokens() - hits * bs, budget - b.num_tokens, r.preempted);
+    if (chunk == 0 && !match.load_async) break;
     pool_.allocate(r.block_hashes, hits, r.num_tokens(), r.block_table);
     r.last_block = r.block_table.back();
     r.epoch = next_epoch_++;
@@ -434,7 +457,7 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
       r.remote_ready = false;
       r.remote_first_token = match.first_token;
       r.remote_drafts = std::move(match.draft_tokens);
-      list_push_back(remote_waiting_, s);
+      list_insert_after(remote_waiting_, remote_waiting_.tail, s);
       continue;
     }
     if (config_.enable_prefix_caching) {
@@ -446,7 +469,7 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
     take_device_slot(r);
     r.num_computed_tokens = hits * bs;
     r.status = RequestStatus::kRunning;
-    list_push_back(running_, s);
+    enqueue(running_, s);
     num_partial_ += r.is_partial_prefill();  // always: the last block is never a hit
     add_prefill_row(b, s, chunk);
   }
@@ -479,29 +502,31 @@ void Scheduler::take_device_slot(Request& r) {
 }
 
 int32_t Scheduler::count_admittable_head_prefills(int32_t limit) {
+  // The admission loop's own steps (schedule_prefills, Phase 2), on the first 4 waiting requests
+  // and without changing anything: KV and budget taken by the requests counted before are
+  // accounted as the loop would take them.
   if (limit <= 0 || waiting_.size == 0) return 0;
   const int32_t budget = config_.max_num_batched_tokens;
   const int32_t bs = config_.block_size;
+  const PrefillChunk chunk_of = prefill_chunk();
   int32_t count = 0, tokens = 0, blocks_taken = 0, probed = 0;
-  for (int32_t s = waiting_.head; s >= 0 && probed < 4; s = links_[s].next, ++probed) {
+  for (int32_t s = waiting_.head; s >= 0 && probed < 4 && count < limit && tokens < budget;
+       s = links_[s].next, ++probed) {
     Request& r = requests_[s];
     if (running_.size + count >= config_.max_num_seqs) break;
-    if (unschedulable_reason(r)) continue;
+    if (unschedulable_reason(r)) continue;  // the loop rejects it: it blocks nothing
+    if (r.num_inflight > 0) break;
     ensure_block_hashes(r, probe_blocks(r));
     const int32_t hits = pool_.can_allocate(r.block_hashes, r.tokens, r.num_tokens(),
                                             config_.num_state_slots > 0);
     if (hits < 0) break;
     const int32_t fresh = ceil_div(r.num_tokens(), bs) - hits;  // upper bound: hits may be shared
     if (blocks_taken + fresh > pool_.num_free_blocks()) break;
-    int32_t num_new = r.num_tokens() - hits * bs;
-    if (num_new > budget) {
-      if (!config_.enable_chunked_prefill && !r.preempted) continue;
-      num_new = budget;
-    }
-    if (tokens + num_new > budget && count > 0) break;
+    const int32_t chunk = chunk_of(r.num_tokens() - hits * bs, budget - tokens, r.preempted);
+    if (chunk == 0) break;
     blocks_taken += fresh;
-    tokens += num_new;
-    if (++count >= limit) break;
+    tokens += chunk;
+    ++count;
   }
   return count;
 }
@@ -528,7 +553,13 @@ int32_t Scheduler::decode_row_tokens(const Request& r) const {
   return std::clamp(position_limit_ - r.num_computed_tokens, 0, k_ + 1);
 }
 
+int32_t Scheduler::preemption_victim() const {
+  // Running is kept in service order (enqueue): the request served last is its tail.
+  return running_.tail;
+}
+
 bool Scheduler::preemption_can_free(int32_t slot, int32_t missing) {
+  // Victims are taken as preemption_victim() takes them: from the tail, towards `slot`.
   int32_t room = pool_.num_free_blocks();
   int32_t v = running_.tail;
   for (; v != slot && room < missing; v = links_[v].prev)
@@ -570,7 +601,7 @@ void Scheduler::schedule_decodes(Batch& b) {
       // `s` in the list, so they are never victims.
       bool preempted_self = false;
       while (!pool_.grow(r.block_table, needed)) {
-        const int32_t victim = running_.tail;
+        const int32_t victim = preemption_victim();
         preempt(victim);
         if (victim == s) {
           preempted_self = true;
@@ -611,7 +642,7 @@ void Scheduler::preempt(int32_t slot) {
   std::fill(r.drafts.begin(), r.drafts.end(), -1);
   r.status = RequestStatus::kWaiting;
   r.preempted = true;
-  list_push_front(waiting_, slot);
+  enqueue(waiting_, slot, /*preempted=*/true);
   ++stats_.num_preemptions;
 }
 

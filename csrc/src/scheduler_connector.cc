@@ -130,7 +130,7 @@ void Scheduler::start_remote_decode(int32_t slot) {
     r.num_computed_tokens = r.num_prompt_tokens - 1;
   r.prefill_target = r.num_computed_tokens;
   r.status = RequestStatus::kRunning;
-  list_push_back(running_, slot);
+  enqueue(running_, slot);
   ++stats_.num_remote_prefills;
 }
 

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "atom_sched/errors.h"
+#include "atom_sched/policy.h"
 #include "atom_sched/scheduler.h"
 #include "scheduler_internal.h"
 
@@ -104,12 +105,16 @@ void Scheduler::check_invariants() const {
   check(live == static_cast<int32_t>(slot_by_id_.size()), "id map holds dead requests");
   check(partial == num_partial_, "partial prefill count is off");
   check(running_.size <= config_.max_num_seqs, "running set exceeds max_num_seqs");
+  const ServiceOrder order{config_.scheduling};
   auto walk = [&](const List& l, RequestStatus status, const char* name) {
     int32_t count = 0, prev = -1;
     for (int32_t s = l.head; s >= 0; s = links_[s].next) {
       check(requests_[s].in_use && requests_[s].status == status,
             std::string(name) + " list holds a request in another state");
       check(links_[s].prev == prev, std::string(name) + " list back link broken");
+      check(!order.sorted() || prev < 0 || status == RequestStatus::kWaitingForRemoteKv ||
+                order(requests_[prev], requests_[s]),
+            std::string(name) + " list is not in service order");
       prev = s;
       check(++count <= static_cast<int32_t>(requests_.size()), std::string(name) + " list cycles");
     }

@@ -141,6 +141,8 @@ void RandomStream(uint32_t seed, bool check_plan) {
     c.eos_token_id = 2;
     c.stop_token_ids = {3};
     c.num_state_slots = rng() % 4 == 0 ? pick(1, 4) : 0;
+    c.scheduling = rng() % 3 == 0 ? SchedulingPolicy::kPriority : SchedulingPolicy::kFcfs;
+    if (c.enable_chunked_prefill && rng() % 3 == 0) c.long_prefill_token_threshold = pick(1, 12);
     const int32_t k = c.num_speculative_tokens;
     H h(c);
     h.check_device_plan = check_plan;
@@ -159,7 +161,10 @@ void RandomStream(uint32_t seed, bool check_plan) {
         SamplingParams p = P(pick(1, 12));
         p.ignore_eos = rng() % 5 == 0;
         if (rng() % 6 == 0) p.stop_token_sequences = {{5, 6}};
-        h.add(id, prompt, p);
+        if (c.scheduling == SchedulingPolicy::kPriority) p.priority = pick(-2, 2);
+        // Arrival times out of add order: priority ties are broken by them.
+        h.s.add_request(id, prompt, p, /*arrival_time=*/pick(0, 20) * 0.5);
+        h.Inv("add_request");
         live.insert(id);
         generated[id] = 0;
         max_tokens[id] = p.max_tokens;

@@ -92,6 +92,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   cfg.enable_kv_events = in.next() & 1;
   cfg.eos_token_id = 2;
   cfg.num_state_slots = in.below(3);
+  cfg.scheduling = in.next() & 1 ? SchedulingPolicy::kPriority : SchedulingPolicy::kFcfs;
+  if (cfg.enable_chunked_prefill && in.below(3) == 0)
+    cfg.long_prefill_token_threshold = 1 + in.below(16);
   Scheduler s(cfg);
   if (in.next() & 1) s.set_kv_connector(std::make_shared<FuzzConnector>(in));
   const int32_t k = cfg.num_speculative_tokens;
@@ -111,8 +114,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           if (in.below(4) == 0) p.min_tokens = in.below(22) - 1;  // sometimes invalid
           if (in.below(4) == 0) p.stop_token_sequences.push_back({in.below(12), in.below(12)});
           if (in.below(4) == 0) p.stop_token_ids.push_back(in.below(12));
+          if (in.below(3) == 0) p.priority = in.below(5) - 2;  // refused under FCFS unless 0
           const int64_t id = in.below(6) == 0 ? in.below(4) - 1 : next_id++;
-          s.add_request(id, prompt, p);
+          s.add_request(id, prompt, p, /*arrival_time=*/in.below(8));
           break;
         }
         case 2:

@@ -1,6 +1,7 @@
 """Property tests over random request streams (hypothesis).
 
-Random prompt lengths (with shared prefixes), max_tokens, min_tokens, arrivals between steps,
+Random prompt lengths (with shared prefixes), max_tokens, min_tokens, priorities (under FCFS or
+priority scheduling, with or without a long-prefill cap), arrivals between steps,
 aborts, EOS / stop tokens / stop sequences, small pools that force preemption, K in {0, 1, 3},
 chunked or not, prefix caching on or off, both step protocols. After every schedule and update the
 driver runs check_invariants() and checks the batch (see support.Driver); at the end every request
@@ -51,6 +52,7 @@ class Req:
     special_at: int
     logprobs: bool
     min_tokens: int = 0  # the special token before it must not stop the request
+    priority: int = 0  # scheduling="priority" only
 
 
 @dataclass
@@ -104,7 +106,10 @@ def scenarios(draw: Any, aborts: bool = True, vetoes: bool = False) -> Scenario:
         num_speculative_tokens=k,
         eos_token_id=EOS,
         stop_token_ids=[STOP_ID],
+        scheduling=draw(st.sampled_from(["fcfs", "priority"])),
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 16])) if chunked else 0,
     )
+    priorities = st.integers(-2, 2) if cfg["scheduling"] == "priority" else st.just(0)
     # Prompts: a shared prefix from one of a few "families" (so prefix-cache hits happen), then a
     # request-specific tail; the length is drawn directly so long prompts (rejections) occur.
     n = draw(st.integers(1, 10))
@@ -128,6 +133,7 @@ def scenarios(draw: Any, aborts: bool = True, vetoes: bool = False) -> Scenario:
                 special_at=draw(st.integers(0, 16)),
                 logprobs=draw(st.booleans()),
                 min_tokens=min(draw(st.sampled_from([0, 0, 0, 2, 8, 24])), max_tokens),
+                priority=draw(priorities),
             )
         )
     return Scenario(
@@ -178,6 +184,7 @@ def run(scn: Scenario, mode: str) -> Driver:
                 params = sp(
                     max_tokens=r.max_tokens,
                     min_tokens=r.min_tokens,
+                    priority=r.priority,
                     ignore_eos=r.ignore_eos,
                     logprobs=r.logprobs,
                     stop_token_sequences=[STOP_SEQ] if r.special == "seq" else [],

@@ -9,6 +9,13 @@ namespace atom_sched {
 /// The most speculative (draft) tokens per request per step that the scheduler supports.
 inline constexpr int32_t kMaxSpeculativeTokens = 8;
 
+/// Which waiting request is admitted first and which running request is preempted first
+/// (policy.h's ServiceOrder states the rule).
+enum class SchedulingPolicy : uint8_t {
+  kFcfs,      // ATOM's: arrival order; the victim is the request admitted last
+  kPriority,  // vLLM's: (priority, arrival_time) ascending; the victim is the lowest priority
+};
+
 /// Static configuration of a Scheduler. Units are tokens unless stated otherwise.
 struct SchedulerConfig {
   int32_t num_blocks = 0;                 // KV block ids (>= 2): block 0 is the null block
@@ -24,6 +31,10 @@ struct SchedulerConfig {
   double scheduler_delay_factor = 0.0;  // > 0 delays admission as ATOM does (seconds ratio)
   bool enable_kv_events = false;        // record BlockStored/BlockRemoved/AllBlocksCleared
   int32_t num_state_slots = 0;  // per-request state slots (linear attention); 0: not needed
+  SchedulingPolicy scheduling = SchedulingPolicy::kFcfs;
+  // > 0: one request prefills at most this many tokens per step, so a long prompt cannot take
+  // the whole budget (vLLM's; needs chunked prefill). 0: no cap.
+  int32_t long_prefill_token_threshold = 0;
 
   /// Throws InvalidArgument naming the first invalid field.
   void validate() const;
@@ -42,6 +53,7 @@ struct SamplingParams {
   int32_t n = 1;             // fan-out is the engine's job: the scheduler accepts 1 only
   bool logprobs = false;     // stream the sampled tokens' log-probabilities
   int64_t seed = -1;         // the sampler's seed for this request; -1: the engine chooses
+  int32_t priority = 0;      // scheduling=kPriority only: smaller is served first (vLLM's)
   std::vector<int32_t> stop_token_ids;                // per-request stop tokens
   std::vector<std::vector<int32_t>> stop_token_sequences;  // stop when generated tokens end so
 

@@ -64,6 +64,8 @@ struct alignas(64) Request {
   // Cold fields.
   std::vector<uint64_t> block_hashes; // chain hashes of the leading full blocks of `tokens`
   double arrival_time = 0.0;
+  int32_t priority = 0;
+  uint64_t arrival_seq = 0;  // add order: breaks (priority, arrival_time) ties
   FinishReason finish_reason = FinishReason::kNone;
   int32_t stop_token = -1;
   int32_t remote_first_token = -1;      // the producer's first token, injected when the KV arrives

@@ -28,6 +28,7 @@
 #include "atom_sched/block_pool.h"
 #include "atom_sched/config.h"
 #include "atom_sched/kv_connector.h"
+#include "atom_sched/policy.h"
 #include "atom_sched/request.h"
 #include "atom_sched/step_output.h"
 
@@ -175,8 +176,10 @@ class Scheduler {
   [[nodiscard]] int32_t slot_in_use(int64_t id) const;  // live or deferred-free, else -1
 
   // Intrusive lists.
-  void list_push_back(List& l, int32_t slot);
-  void list_push_front(List& l, int32_t slot);
+  void list_insert_after(List& l, int32_t after, int32_t slot);  // after -1: at the head
+  /// Queues `slot` in `l` where the ServiceOrder puts it; under FCFS, at the back, or at the
+  /// head for a preempted request returning to waiting (ATOM resumes it first).
+  void enqueue(List& l, int32_t slot, bool preempted = false);
   void list_remove(List& l, int32_t slot);
 
   // Policy.
@@ -191,8 +194,12 @@ class Scheduler {
   [[nodiscard]] int32_t decode_row_tokens(const Request& r) const;
   /// The token count at which a length rule (max_tokens, max_model_len, kv_capacity) ends it.
   [[nodiscard]] int32_t final_length(const Request& r) const;
-  /// Victim choice: whether preempting every running request after `slot` would free `missing`
-  /// blocks (blocks shared with others stay).
+  /// The admission chunk rule of this configuration (policy.h).
+  [[nodiscard]] PrefillChunk prefill_chunk() const;
+  /// The running request preempted first: the one served last (policy.h's ServiceOrder).
+  [[nodiscard]] int32_t preemption_victim() const;
+  /// Whether preempting every running request after `slot` would free `missing` blocks (blocks
+  /// shared with others stay).
   [[nodiscard]] bool preemption_can_free(int32_t slot, int32_t missing);
   void preempt(int32_t slot);
   void reject(int32_t slot, std::string reason);  // finished as unschedulable, reported
@@ -261,6 +268,7 @@ class Scheduler {
   int32_t num_partial_ = 0;  // running requests whose prefill is not fully scheduled yet
   std::vector<int32_t> victim_refs_;  // [num_blocks], 0 between calls: preemption_can_free()
   uint64_t next_epoch_ = 1;
+  uint64_t next_arrival_seq_ = 0;
 };
 
 }  // namespace atom_sched

@@ -1,0 +1,52 @@
+// The scheduling policy's decisions as small value types (TensorRT-LLM's capacity schedulers are
+// the model). The batch-building loops and the data-parallel readiness probe call these; the
+// rules live here and nowhere else:
+//  * ServiceOrder: the order both queues keep. Admission takes waiting requests from the head;
+//    the preemption victim is the running request served last (the tail of `running`).
+//  * PrefillChunk: how many uncomputed prompt tokens of one request a step prefills, or 0 when
+//    the request does not fit (admission stops there: head-of-line blocking, as ATOM).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+
+#include "atom_sched/config.h"
+#include "atom_sched/request.h"
+
+namespace atom_sched {
+
+struct ServiceOrder {
+  SchedulingPolicy policy = SchedulingPolicy::kFcfs;
+
+  /// FCFS orders nothing: a queue keeps the order of its insertions (arrivals at the back of
+  /// waiting, a preempted request back at its head, admissions at the back of running), so the
+  /// victim is the request admitted last, as ATOM. Priority keeps both queues sorted by this.
+  [[nodiscard]] bool sorted() const noexcept { return policy == SchedulingPolicy::kPriority; }
+
+  /// Priority: whether `a` is served strictly before `b` (admitted first; running, preempted
+  /// after it). (priority, arrival_time, add order), smallest first, as vLLM: the victim is the
+  /// running request with the largest priority value, latest arrival first.
+  [[nodiscard]] bool operator()(const Request& a, const Request& b) const noexcept {
+    return std::tie(a.priority, a.arrival_time, a.arrival_seq) <
+           std::tie(b.priority, b.arrival_time, b.arrival_seq);
+  }
+};
+
+struct PrefillChunk {
+  bool chunked_prefill = true;               // SchedulerConfig::enable_chunked_prefill
+  int32_t long_prefill_token_threshold = 0;  // > 0: at most this many tokens per request a step
+
+  /// Tokens of a request's prefill scheduled this step: `num_new` uncomputed tokens, `left`
+  /// tokens of the budget not taken by rows before it. A request may take part of its prompt
+  /// when chunked prefill is on or `must_chunk` (a preempted request, whose prompt and outputs
+  /// may exceed the budget); otherwise it fits whole or not at all.
+  [[nodiscard]] int32_t operator()(int32_t num_new, int32_t left, bool must_chunk) const noexcept {
+    if (!chunked_prefill && !must_chunk) return num_new <= left ? num_new : 0;
+    const int32_t cap =
+        long_prefill_token_threshold > 0 ? std::min(left, long_prefill_token_threshold) : left;
+    return std::max(0, std::min(num_new, cap));
+  }
+};
+
+}  // namespace atom_sched

@@ -1,0 +1,297 @@
+// The policy seam (policy.h): the rule types on their own, priority scheduling (vLLM's
+// semantics: waiting by (priority, arrival), the victim the lowest priority, latest arrival),
+// long_prefill_token_threshold, and the data-parallel readiness probe calling the admission rule.
+//
+// Every schedule() and update() goes through the harness H, which runs check_invariants() (queues
+// in service order included) after each call and checks every batch against the request table.
+#include "atom_sched/policy.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "atom_sched/config.h"
+#include "atom_sched/errors.h"
+#include "atom_sched/scheduler.h"
+#include "scheduler_harness.h"
+#include "test_tokens.h"
+
+namespace atom_sched {
+namespace {
+
+SamplingParams Prio(int32_t priority, int32_t max_tokens = 64) {
+  SamplingParams p = P(max_tokens);
+  p.priority = priority;
+  return p;
+}
+
+SchedulerConfig PriorityCfg(int32_t usable_blocks) {
+  SchedulerConfig c = Cfg(usable_blocks);
+  c.scheduling = SchedulingPolicy::kPriority;
+  return c;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The rule types
+// ---------------------------------------------------------------------------------------------
+
+TEST(PolicyTest, PrefillChunkWholeOrNothingWithoutChunking) {
+  const PrefillChunk rule{/*chunked_prefill=*/false, /*long_prefill_token_threshold=*/0};
+  EXPECT_EQ(rule(10, 10, false), 10);
+  EXPECT_EQ(rule(10, 9, false), 0) << "does not fit: admission stops at it";
+  EXPECT_EQ(rule(10, 4, true), 4) << "a preempted request is re-prefilled in chunks";
+}
+
+TEST(PolicyTest, PrefillChunkTakesWhatIsLeftUpToTheThreshold) {
+  const PrefillChunk chunked{true, 0};
+  EXPECT_EQ(chunked(10, 100, false), 10);
+  EXPECT_EQ(chunked(10, 3, false), 3);
+  EXPECT_EQ(chunked(10, 0, false), 0);
+  const PrefillChunk capped{true, 4};
+  EXPECT_EQ(capped(10, 100, false), 4);
+  EXPECT_EQ(capped(3, 100, false), 3);
+  EXPECT_EQ(capped(10, 2, false), 2);
+  EXPECT_EQ(capped(10, 100, true), 4);
+}
+
+TEST(PolicyTest, ServiceOrderIsPriorityThenArrivalTimeThenAddOrder) {
+  auto req = [](int32_t priority, double arrival, uint64_t seq) {
+    Request r;
+    r.priority = priority;
+    r.arrival_time = arrival;
+    r.arrival_seq = seq;
+    return r;
+  };
+  const ServiceOrder order{SchedulingPolicy::kPriority};
+  EXPECT_TRUE(order.sorted());
+  EXPECT_TRUE(order(req(0, 9.0, 9), req(1, 0.0, 0))) << "priority first";
+  EXPECT_TRUE(order(req(-5, 9.0, 9), req(0, 0.0, 0))) << "negative priorities are served first";
+  EXPECT_TRUE(order(req(1, 1.0, 9), req(1, 2.0, 0))) << "then arrival time";
+  EXPECT_TRUE(order(req(1, 1.0, 3), req(1, 1.0, 4))) << "then add order";
+  EXPECT_FALSE(order(req(1, 1.0, 4), req(1, 1.0, 4)));
+  EXPECT_FALSE(ServiceOrder{SchedulingPolicy::kFcfs}.sorted());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Priority scheduling
+// ---------------------------------------------------------------------------------------------
+
+// Non-chunked, budget 8: two prompts of 4 per step.
+//   add 1 (p 2), 2 (p 0), 3 (p 1), 4 (p 0): waiting 2, 4, 3, 1
+//   step 1: prefill 2, 4
+//   add 5 (p -1): it overtakes 3 and 1
+//   step 2 (decode 2, 4 first: ATOM's prefill-first step admits 5, 3)
+TEST(SchedulerTest, PriorityAdmitsInPriorityThenArrivalOrder) {
+  SchedulerConfig c = PriorityCfg(32);
+  c.enable_chunked_prefill = false;
+  c.max_num_batched_tokens = 8;
+  H h(c);
+  h.add(1, Seq(100, 4), Prio(2));
+  h.add(2, Seq(200, 4), Prio(0));
+  h.add(3, Seq(300, 4), Prio(1));
+  h.add(4, Seq(400, 4), Prio(0));
+  EXPECT_EQ(h.s.waiting_ids(), (V64{2, 4, 3, 1}));
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  EXPECT_TRUE(s1->is_prefill);
+  EXPECT_EQ(s1->req_ids, (V64{2, 4}));
+  h.upd(*s1, {210, 410});
+  h.add(5, Seq(500, 4), Prio(-1));
+  EXPECT_EQ(h.s.waiting_ids(), (V64{5, 3, 1}));
+  auto s2 = h.sched();
+  ASSERT_TRUE(s2);
+  EXPECT_TRUE(s2->is_prefill);
+  EXPECT_EQ(s2->req_ids, (V64{5, 3}));
+  EXPECT_EQ(h.s.running_ids(), (V64{5, 2, 4, 3})) << "running is kept in service order too";
+  h.upd(*s2, {510, 310});
+}
+
+// bs 4, 4 usable blocks, prompts of 4 (one block each): after the prefill one block is free and
+// every decode row needs a second block.
+//   FCFS: running 1, 2, 3; row 1 takes the free block, row 2 preempts the tail, 3.
+//   priority (1 p 0, 2 p 5, 3 p 0): running 1, 3, 2; row 1 takes the free block, row 3 preempts
+//   the lowest priority, 2, which was admitted before it.
+TEST(SchedulerTest, PriorityVictimIsTheLowestPriorityNotTheLastAdmitted) {
+  for (const SchedulingPolicy policy : {SchedulingPolicy::kFcfs, SchedulingPolicy::kPriority}) {
+    const bool prio = policy == SchedulingPolicy::kPriority;
+    SCOPED_TRACE(prio ? "priority" : "fcfs");
+    SchedulerConfig c = Cfg(4);
+    c.enable_prefix_caching = false;
+    c.scheduling = policy;
+    H h(c);
+    h.add(1, Seq(100, 4), Prio(0));
+    h.add(2, Seq(200, 4), Prio(prio ? 5 : 0));
+    h.add(3, Seq(300, 4), Prio(0));
+    auto s1 = h.sched();
+    ASSERT_TRUE(s1);
+    EXPECT_EQ(s1->req_ids, prio ? (V64{1, 3, 2}) : (V64{1, 2, 3}));
+    h.upd(*s1, {110, 310, 210});
+    auto s2 = h.sched();
+    ASSERT_TRUE(s2);
+    EXPECT_FALSE(s2->is_prefill);
+    EXPECT_EQ(s2->req_ids, prio ? (V64{1, 3}) : (V64{1, 2}));
+    EXPECT_EQ(h.s.waiting_ids(), prio ? V64{2} : V64{3});
+    EXPECT_EQ(h.s.stats().num_preemptions, 1);
+    h.upd(*s2, {111, prio ? 311 : 211});
+  }
+}
+
+// Among the lowest priority, the latest arrival (arrival_time, not add order) is the victim; a
+// preempted request returns to waiting at its place in service order, not at the head.
+//   add 1 (p 0, t 0), 2 (p 1, t 5), 3 (p 1, t 1): running 1, 3, 2 after the prefill
+//   add 4 (p 0, t 9): 12 tokens, 3 blocks: waits (1 block free)
+//   add 5 (p 2, t 2): waits behind 4
+//   decode: row 1 takes the free block, row 3 preempts 2 (t 5 > t 1); waiting 4, 2, 5
+TEST(SchedulerTest, PriorityVictimIsTheLatestArrivalAndRequeuesInOrder) {
+  SchedulerConfig c = PriorityCfg(4);
+  c.enable_prefix_caching = false;
+  H h(c);
+  auto add = [&](int64_t id, int32_t n, int32_t priority, double t) {
+    h.s.add_request(id, Seq(100 * static_cast<int32_t>(id), n), Prio(priority), t);
+    h.Inv("add_request");
+  };
+  add(1, 4, 0, 0.0);
+  add(2, 4, 1, 5.0);
+  add(3, 4, 1, 1.0);
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  EXPECT_EQ(s1->req_ids, (V64{1, 3, 2}));
+  h.upd(*s1, {110, 310, 210});
+  add(4, 12, 0, 9.0);
+  add(5, 4, 2, 2.0);
+  EXPECT_EQ(h.s.waiting_ids(), (V64{4, 5}));
+  auto s2 = h.sched();
+  ASSERT_TRUE(s2);
+  EXPECT_FALSE(s2->is_prefill);
+  EXPECT_EQ(s2->req_ids, (V64{1, 3}));
+  EXPECT_EQ(h.s.waiting_ids(), (V64{4, 2, 5}));
+  EXPECT_TRUE(h.s.request(2).preempted);
+}
+
+TEST(SchedulerTest, PriorityWithoutPrioritySchedulingIsRefused) {
+  H h(Cfg(8));
+  h.add(1, Seq(100, 4));
+  EXPECT_THROW(h.s.add_request(2, Seq(200, 4), Prio(1)), InvalidArgument);
+  EXPECT_THROW(h.s.add_request(2, Seq(200, 4), Prio(-1)), InvalidArgument);
+  h.Inv("refused add_request");
+  EXPECT_FALSE(h.s.contains(2));
+  EXPECT_EQ(h.s.waiting_ids(), V64{1});
+  h.add(2, Seq(200, 4), Prio(0));  // the id is still free
+}
+
+TEST(SchedulerTest, ArrivalTimeMustBeFinite) {
+  H h(PriorityCfg(8));
+  for (double t : {std::nan(""), std::numeric_limits<double>::infinity(),
+                   -std::numeric_limits<double>::infinity()}) {
+    EXPECT_THROW(h.s.add_request(1, Seq(100, 4), P(), t), InvalidArgument) << t;
+  }
+  h.Inv("refused add_request");
+  EXPECT_FALSE(h.s.contains(1));
+}
+
+// ---------------------------------------------------------------------------------------------
+// long_prefill_token_threshold
+// ---------------------------------------------------------------------------------------------
+
+// Threshold 8, budget 64, prompts A 30, B 20, C 5:
+//   step 1: A 8, B 8, C 5 (whole: under the cap)     computed A 8, B 8
+//   step 2: A 8, B 8 (partials resume, capped)       A 16, B 16
+//   step 3: A 8, B 4 (B done: it emits)              A 24
+//   step 4: A 6 (done)
+TEST(SchedulerTest, LongPrefillThresholdCapsEachRequestsChunk) {
+  SchedulerConfig c = Cfg(64);
+  c.max_num_batched_tokens = 64;
+  c.long_prefill_token_threshold = 8;
+  H h(c);
+  h.add(1, Seq(100, 30));
+  h.add(2, Seq(200, 20));
+  h.add(3, Seq(300, 5));
+  const std::vector<V> chunks = {{8, 8, 5}, {8, 8}, {8, 4}, {6}};
+  const std::vector<std::vector<uint8_t>> emits = {{0, 0, 1}, {0, 0}, {0, 1}, {1}};
+  for (size_t step = 0; step < chunks.size(); ++step) {
+    SCOPED_TRACE(step + 1);
+    auto b = h.sched();
+    ASSERT_TRUE(b);
+    EXPECT_TRUE(b->is_prefill);
+    EXPECT_EQ(b->nsched, chunks[step]);
+    EXPECT_EQ(b->emits, emits[step]);
+    h.upd(*b, V(static_cast<size_t>(b->num_rows), 7));
+  }
+}
+
+TEST(SchedulerTest, LongPrefillThresholdIsValidated) {
+  SchedulerConfig c = Cfg(8);
+  c.long_prefill_token_threshold = -1;
+  EXPECT_THROW(c.validate(), InvalidArgument);
+  c.long_prefill_token_threshold = 8;
+  c.enable_chunked_prefill = false;
+  EXPECT_THROW(c.validate(), InvalidArgument) << "a cap on chunks needs chunked prefill";
+  EXPECT_THROW(Scheduler{c}, InvalidArgument);
+  c.enable_chunked_prefill = true;
+  EXPECT_NO_THROW(c.validate());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The readiness probe admits as admission does
+// ---------------------------------------------------------------------------------------------
+
+// Random waiting queues (no prefix caching: the probe's KV count is then exact) under every
+// admission rule: count_admittable_head_prefills(limit) equals the number of the first 4 waiting
+// requests that the next schedule() admits, capped at limit.
+TEST(SchedulerTest, ReadinessProbeCountsWhatAdmissionAdmits) {
+  std::mt19937 rng(7);
+  auto pick = [&](int32_t lo, int32_t hi) {
+    return lo + static_cast<int32_t>(rng() % static_cast<uint32_t>(hi - lo + 1));
+  };
+  int32_t nonzero = 0, partial_fit = 0;
+  for (int trial = 0; trial < 400 && !HasFailure(); ++trial) {
+    SCOPED_TRACE(testing::Message() << "trial " << trial);
+    SchedulerConfig c = Cfg(pick(2, 30));
+    c.enable_prefix_caching = false;
+    c.max_num_seqs = pick(1, 6);
+    c.max_num_batched_tokens = pick(4, 48);
+    c.max_model_len = 512;
+    c.enable_chunked_prefill = rng() % 2 == 0;
+    if (c.enable_chunked_prefill && rng() % 2 == 0) c.long_prefill_token_threshold = pick(1, 20);
+    c.scheduling = rng() % 2 == 0 ? SchedulingPolicy::kPriority : SchedulingPolicy::kFcfs;
+    H h(c);
+    const int32_t n = pick(1, 6);
+    for (int64_t id = 0; id < n; ++id) {
+      // Schedulable prompts only: the loop would reject the others, which the probe skips.
+      const int32_t most = std::min(c.enable_chunked_prefill ? 120 : c.max_num_batched_tokens,
+                                    (c.num_blocks - 1) * c.block_size);
+      SamplingParams p = P();
+      if (c.scheduling == SchedulingPolicy::kPriority) p.priority = pick(0, 2);
+      h.add(id, Seq(100 * static_cast<int32_t>(id), pick(1, most)), p);
+    }
+    const V64 head = [&] {
+      V64 w = h.s.waiting_ids();
+      w.resize(std::min<size_t>(w.size(), 4));
+      return w;
+    }();
+    Scheduler copy = h.s;
+    const Batch* b = copy.schedule();
+    int32_t admitted = 0;
+    if (b != nullptr)
+      for (int32_t row = 0; row < b->num_rows; ++row)
+        admitted += std::find(head.begin(), head.end(), b->req_ids[row]) != head.end();
+    for (int32_t limit = 1; limit <= 4; ++limit)
+      EXPECT_EQ(h.s.count_admittable_head_prefills(limit), std::min(limit, admitted))
+          << "limit " << limit;
+    nonzero += admitted > 0;
+    if (b != nullptr && admitted > 1) {
+      const int32_t last = admitted - 1;  // every row is an admission, in order
+      partial_fit += b->num_scheduled_tokens[last] < copy.request(b->req_ids[last]).num_prompt_tokens;
+    }
+  }
+  EXPECT_GT(nonzero, 100) << "the trials should admit";
+  EXPECT_GT(partial_fit, 10) << "the trials should admit a chunk of a second request";
+}
+
+}  // namespace
+}  // namespace atom_sched

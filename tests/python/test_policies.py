@@ -1,0 +1,146 @@
+"""Issue 11 items 1, 3 and 5: the policy seam through the Python API. Priority scheduling (vLLM's
+semantics: waiting ordered by (priority, arrival), the preemption victim the running request with
+the lowest priority, latest arrival first), long_prefill_token_threshold, and the readiness probe
+that calls the admission rule. Runs go through the Driver (invariants, queues in service order
+included, and batch checks after every call) and end with the oracle's tokens and reasons, in
+both step protocols, with and without drafts."""
+
+import copy
+import pickle
+
+import pytest
+from support import make_driver, prompt, sp, state_snapshot
+
+from atom_sched import SamplingParams, Scheduler, SchedulerConfig
+
+
+def test_config_fields_are_validated_and_kept():
+    c = SchedulerConfig(num_blocks=16, scheduling="priority", long_prefill_token_threshold=32)
+    assert c.scheduling == "priority" and c.long_prefill_token_threshold == 32
+    assert "scheduling='priority'" in repr(c)
+    for d in (copy.deepcopy(c), pickle.loads(pickle.dumps(c))):
+        assert d.scheduling == "priority" and d.long_prefill_token_threshold == 32
+    assert SchedulerConfig(num_blocks=16).scheduling == "fcfs"
+    with pytest.raises(ValueError, match="scheduling must be 'fcfs' or 'priority', got 'lifo'"):
+        SchedulerConfig(num_blocks=16, scheduling="lifo")
+    with pytest.raises(ValueError, match="scheduling must be"):
+        c.scheduling = "FCFS"
+    assert c.scheduling == "priority"
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
+        Scheduler(SchedulerConfig(num_blocks=16, long_prefill_token_threshold=-1))
+    with pytest.raises(ValueError, match="needs enable_chunked_prefill=True"):
+        Scheduler(SchedulerConfig(num_blocks=16, long_prefill_token_threshold=8,
+                                  enable_chunked_prefill=False))
+
+
+def test_priority_is_kept_and_refused_without_priority_scheduling():
+    p = SamplingParams(priority=-3)
+    assert p.priority == -3 and "priority=-3" in repr(p)
+    assert pickle.loads(pickle.dumps(p)).priority == -3
+    assert SamplingParams().priority == 0
+    s = Scheduler(SchedulerConfig(num_blocks=16))
+    s.add_request(0, prompt(4), SamplingParams())
+    before = state_snapshot(s)
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        s.add_request(1, prompt(4), SamplingParams(priority=1))
+    assert state_snapshot(s) == before and s.waiting_ids() == [0]
+    s.check_invariants()
+    s.add_request(1, prompt(4), SamplingParams())  # the id was not taken
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_arrival_time_must_be_finite(bad):
+    s = Scheduler(SchedulerConfig(num_blocks=16, scheduling="priority"))
+    with pytest.raises(ValueError, match="arrival_time must be finite"):
+        s.add_request(0, prompt(4), SamplingParams(), arrival_time=bad)
+    assert not s.has_unfinished_requests()
+
+
+def admission_order(d) -> list[int]:
+    """Request ids in the order their first prefill row was scheduled."""
+    seen: list[int] = []
+    for b in d.batches:
+        for rid, cached in zip(b.req_ids, b.num_cached_tokens, strict=True):
+            if b.is_prefill and cached == 0 and rid not in seen:
+                seen.append(rid)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("k", [0, 3])
+def test_priority_admits_by_priority_then_arrival(mode, k):
+    # One prompt per step (budget 8, no chunking): the admission order is the service order.
+    d = make_driver(mode, num_blocks=64, block_size=4, scheduling="priority",
+                    enable_chunked_prefill=False, max_num_batched_tokens=8,
+                    num_speculative_tokens=k)
+    prios = {0: 2, 1: 0, 2: 1, 3: 0, 4: -1}
+    arrivals = {0: 1.0, 1: 3.0, 2: 2.0, 3: 2.5, 4: 9.0}
+    for rid in prios:
+        d.add(rid, prompt(8, 100 * rid), sp(priority=prios[rid], max_tokens=4),
+              arrival_time=arrivals[rid])
+    assert d.sched.waiting_ids() == [4, 3, 1, 2, 0]
+    d.run()
+    d.check_all_done()
+    d.check_against_oracle()
+    assert admission_order(d) == [4, 3, 1, 2, 0]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("k", [0, 2])
+def test_priority_preempts_the_lowest_priority_latest_arrival(mode, k):
+    # 5 usable blocks of 4 tokens; three one-block prompts, then every decode needs more blocks.
+    d = make_driver(mode, num_blocks=6, block_size=4, scheduling="priority",
+                    enable_prefix_caching=False, num_speculative_tokens=k)
+    d.add(0, prompt(4, 100), sp(priority=0, max_tokens=12), arrival_time=0.0)
+    d.add(1, prompt(4, 200), sp(priority=1, max_tokens=12), arrival_time=5.0)
+    d.add(2, prompt(4, 300), sp(priority=1, max_tokens=12), arrival_time=1.0)
+    first_victim = None
+    while d.busy():
+        running = d.sched.running_ids()
+        d.step()
+        preempted = [r for r in running if r in d.sched.waiting_ids()]
+        if preempted and first_victim is None:
+            first_victim = preempted
+    d.check_all_done()
+    d.check_against_oracle()
+    assert d.sched.stats()["num_preemptions"] > 0
+    # The latest arrival among the lowest priority (1, at t=5) goes first, not the last admitted.
+    assert first_victim == [1]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("k", [0, 3])
+def test_long_prefill_threshold_caps_every_prefill_row(mode, k):
+    d = make_driver(mode, num_blocks=128, block_size=4, max_num_batched_tokens=64,
+                    long_prefill_token_threshold=12, num_speculative_tokens=k)
+    for rid, n in enumerate([50, 30, 7, 13]):
+        d.add(rid, prompt(n, 100 * rid), sp(max_tokens=5))
+    d.run()
+    d.check_all_done()
+    d.check_against_oracle()
+    prefill_rows = [(rid, n) for b in d.batches if b.is_prefill
+                    for rid, n in zip(b.req_ids, b.num_scheduled_tokens, strict=True)]
+    assert prefill_rows and max(n for _, n in prefill_rows) == 12
+    assert sum(n for rid, n in prefill_rows if rid == 0) == 50
+    assert [n for rid, n in prefill_rows if rid == 2] == [7]
+
+
+def test_readiness_probe_counts_a_chunked_admission():
+    # Budget 16, chunked: the loop admits 12 tokens of the first and 4 of the second, so the
+    # probe counts both (it used to stop at the first prompt that did not fit whole).
+    s = Scheduler(SchedulerConfig(num_blocks=32, block_size=4, max_num_batched_tokens=16))
+    s.add_request(0, prompt(12, 100), SamplingParams())
+    s.add_request(1, prompt(12, 200), SamplingParams())
+    s.add_request(2, prompt(12, 300), SamplingParams())
+    assert s.count_admittable_head_prefills(4) == 2
+    b = s.schedule()
+    assert list(b.req_ids) == [0, 1] and list(b.num_scheduled_tokens) == [12, 4]
+
+
+def test_readiness_probe_applies_the_long_prefill_cap():
+    s = Scheduler(SchedulerConfig(num_blocks=32, block_size=4, max_num_batched_tokens=16,
+                                  long_prefill_token_threshold=4))
+    for rid in range(5):
+        s.add_request(rid, prompt(12, 100 * rid), SamplingParams())
+    assert s.count_admittable_head_prefills(4) == 4
+    assert list(s.schedule().num_scheduled_tokens) == [4, 4, 4, 4]
