@@ -34,6 +34,7 @@ class SchedulerConfig:
     num_state_slots: int
     scheduling: Literal["fcfs", "priority"]
     long_prefill_token_threshold: int
+    cache_decode_blocks: bool
     def __init__(
         self,
         num_blocks: int,
@@ -52,6 +53,7 @@ class SchedulerConfig:
         num_state_slots: int = 0,
         scheduling: Literal["fcfs", "priority"] = "fcfs",
         long_prefill_token_threshold: int = 0,
+        cache_decode_blocks: bool = True,
     ) -> None: ...
     def validate(self) -> None: ...
     @property

@@ -36,6 +36,7 @@ Scheduler::Scheduler(SchedulerConfig config)
           int64_t{config_.num_blocks - 1} * config_.block_size,
           std::numeric_limits<int32_t>::max()))),
       position_limit_(std::min(config_.max_model_len, pool_positions_)),
+      cache_decode_blocks_(config_.cache_decode_blocks && config_.enable_prefix_caching),
       pool_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching,
             config_.enable_kv_events, config_.num_state_slots) {
   const size_t rows = config_.max_num_seqs;
@@ -438,6 +439,7 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
     r.last_block = r.block_table.back();
     r.epoch = next_epoch_++;
     r.blocks_shipped = 0;
+    r.blocks_published = hits;
     r.prefill_target = r.num_tokens();
     if (connector_ && !dry_run_) {
       try {

@@ -98,15 +98,10 @@ void Scheduler::update_from_kv_xfer_finished(std::span<const int64_t> finished_s
 
 void Scheduler::start_remote_decode(int32_t slot) {
   Request& r = requests_[slot];
-  const int32_t bs = config_.block_size;
   // The remote prefill filled the prompt's blocks: publish its full ones (ATOM never did, 8.15).
   // Only real prompt tokens are hashed, never the injected token or drafts (8.16).
-  const int32_t first = r.prefix_hit_tokens / bs;
-  const int32_t end = r.num_prompt_tokens / bs;
-  if (config_.enable_prefix_caching && first < end) {
-    ensure_block_hashes(r, end);
-    pool_.publish(r.block_table, r.block_hashes, r.tokens, first, end);
-  }
+  const int32_t end = r.num_prompt_tokens / config_.block_size;
+  if (config_.enable_prefix_caching && r.blocks_published < end) publish_blocks(r, end);
   if (config_.num_state_slots > 0) r.state_slot = pool_.take_state_slot();
   take_device_slot(r);
   if (r.remote_first_token >= 0) {

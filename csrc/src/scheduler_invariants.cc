@@ -99,6 +99,10 @@ void Scheduler::check_invariants() const {
     check(r.last_block == r.block_table.back(), who + "cached last block is stale");
     check(r.blocks_shipped <= static_cast<int32_t>(r.block_table.size()),
           who + "shipped more blocks than it holds");
+    // Published blocks hold real tokens only, never drafts.
+    check(r.blocks_published * bs <= r.num_tokens() &&
+              r.blocks_published <= static_cast<int32_t>(r.block_table.size()),
+          who + "published a block past its real tokens");
     count_blocks(r, who);
   }
   check(deferred == static_cast<int32_t>(deferred_.size()), "deferred map holds stale ids");

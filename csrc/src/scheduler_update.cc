@@ -59,6 +59,12 @@ void Scheduler::validate_outputs(const Batch& b, const ModelOutputs& out) const 
   }
 }
 
+void Scheduler::publish_blocks(Request& r, int32_t end) {
+  ensure_block_hashes(r, end);
+  pool_.publish(r.block_table, r.block_hashes, r.tokens, r.blocks_published, end);
+  r.blocks_published = end;
+}
+
 FinishReason Scheduler::length_stop(const Request& r) const {
   if (r.num_generated() >= r.max_tokens) return FinishReason::kMaxTokens;
   if (r.num_tokens() >= config_.max_model_len) return FinishReason::kMaxModelLen;  // (8.8)
@@ -107,14 +113,9 @@ void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs
     // Publish the blocks this chunk completed, now that their KV exists. A preempted request's
     // blocks are gone, so there is nothing to publish.
     if (running && config_.enable_prefix_caching) {
-      const int32_t bs = config_.block_size;
-      const int32_t start = b.num_cached_tokens[row];
-      const int32_t first = start / bs;
-      const int32_t end = (start + b.num_scheduled_tokens[row]) / bs;
-      if (first < end) {
-        ensure_block_hashes(r, end);
-        pool_.publish(r.block_table, r.block_hashes, r.tokens, first, end);
-      }
+      const int32_t end =
+          (b.num_cached_tokens[row] + b.num_scheduled_tokens[row]) / config_.block_size;
+      if (r.blocks_published < end) publish_blocks(r, end);
     }
     if (!b.emits_token[row]) return;  // an intermediate chunk samples garbage
   } else {
@@ -144,6 +145,12 @@ void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs
     reason = stop_reason(r, stop_token);
   }
   r.last_token = r.tokens.back();
+  // Decode-block caching: every position but the last token's now holds verified KV (the row's
+  // input was the last token and the drafts now accepted); the blocks it fills are published
+  // before a finish frees them, so a follow-up turn finds them.
+  if (!b.is_prefill && running && cache_decode_blocks_ &&
+      r.num_tokens() > (r.blocks_published + 1) * config_.block_size)
+    publish_blocks(r, (r.num_tokens() - 1) / config_.block_size);
   // Entries are written by index into arrays update() sized for the worst case.
   StepOutput& so = step_output_;
   const int32_t e = so_entries_++;

@@ -414,6 +414,56 @@ TEST(SchedulerTest, PrefixCacheHitsAfterTheOutputsArriveAndNeverOnTheLastBlock) 
   EXPECT_EQ(s4->ncached, V{0});
 }
 
+// Decode-block caching (cache_decode_blocks), K = 2, bs 4, events on. A = [100..106), max 5.
+//   prefill: block 0 [100..104) published; A samples 10, drafts 11 12
+//   decode 1: [10 11 12] at pos 6..8; accepts 1 (55): A = ..., 10, 55 (R 8). Position 7 holds
+//             the rejected draft 11's KV: block 1 is not published
+//   decode 2: [55 13 14] at pos 7..9; accepts 3 (13 14 15): R 11, positions 0..9 verified:
+//             block 1 = [104 105 10 55] published (block 2 would need position 11); A finishes
+//   turn 2: A's 11 tokens + [7 8] hits blocks 0 and 1 (8 tokens); without decode caching, 4
+TEST(SchedulerTest, DecodeBlocksArePublishedOnceVerifiedAndHitByTheNextTurn) {
+  for (const bool cache_decode : {true, false}) {
+    SCOPED_TRACE(cache_decode ? "cache_decode_blocks" : "prompt blocks only (ATOM)");
+    SchedulerConfig c = SpecCfg(32, 2);
+    c.enable_kv_events = true;
+    c.cache_decode_blocks = cache_decode;
+    H h(c);
+    const V a = Seq(100, 6);
+    h.add(1, a, P(5));
+    auto s1 = h.sched();
+    ASSERT_TRUE(s1);
+    h.upd(*s1, {10, 0, 0}, {1}, {11, 12});
+    EXPECT_EQ(h.s.take_events().size(), 1u) << "the prompt's full block";
+    auto s2 = h.sched();
+    ASSERT_TRUE(s2);
+    EXPECT_EQ(s2->tokens, (V{10, 11, 12}));
+    h.upd(*s2, {55, 0, 0}, {1}, {13, 14});
+    EXPECT_TRUE(h.s.take_events().empty()) << "position 7 held a rejected draft";
+    auto s3 = h.sched();
+    ASSERT_TRUE(s3);
+    EXPECT_EQ(s3->tokens, (V{55, 13, 14}));
+    EXPECT_EQ(s3->positions, (V64{7, 8, 9}));
+    const auto o3 = h.upd(*s3, {13, 14, 15}, {3}, {0, 0});
+    EXPECT_EQ(o3.why(1), "max_tokens");
+    const V full = Cat(a, {10, 55, 13, 14, 15});
+    const auto hashes = Chain(full, 4);
+    const auto events = h.s.take_events();
+    if (cache_decode) {
+      ASSERT_EQ(events.size(), 1u);
+      EXPECT_EQ(events[0].kind, KvEventKind::kBlockStored);
+      EXPECT_EQ(events[0].block_hashes, std::vector<uint64_t>{hashes[1]});
+      EXPECT_EQ(events[0].parent_block_hash, hashes[0]);
+      EXPECT_EQ(events[0].token_ids, (V{104, 105, 10, 55}));
+    } else {
+      EXPECT_TRUE(events.empty());
+    }
+    h.add(2, Cat(full, {7, 8}));
+    auto s4 = h.sched();
+    ASSERT_TRUE(s4);
+    EXPECT_EQ(s4->ncached, V{cache_decode ? 8 : 4});
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Static rejection
 // ---------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from support import (
     sp,
 )
 
-from atom_sched import Scheduler  # noqa: E402
+from atom_sched import Scheduler, block_hash  # noqa: E402
 
 STOP_ID = 5
 STOP_SEQ = [7, 8]
@@ -108,6 +108,7 @@ def scenarios(draw: Any, aborts: bool = True, vetoes: bool = False) -> Scenario:
         stop_token_ids=[STOP_ID],
         scheduling=draw(st.sampled_from(["fcfs", "priority"])),
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 16])) if chunked else 0,
+        cache_decode_blocks=draw(st.booleans()),
     )
     priorities = st.integers(-2, 2) if cfg["scheduling"] == "priority" else st.just(0)
     # Prompts: a shared prefix from one of a few "families" (so prefix-cache hits happen), then a
@@ -153,6 +154,7 @@ class EventLedger:
     def __init__(self) -> None:
         self.live: set[int] = set()
         self.num_events = 0
+        self.stored: dict[int, list[int]] = {}  # every hash ever stored -> its block's tokens
 
     def feed(self, events: list) -> None:
         for e in events:
@@ -167,9 +169,28 @@ class EventLedger:
                 assert not (set(hs) & self.live), f"stored while cached: {set(hs) & self.live}"
                 assert len(e.token_ids) == len(hs) * e.block_size
                 self.live |= set(hs)
+                bs = e.block_size
+                for i, h in enumerate(hs):
+                    self.stored[h] = [int(t) for t in e.token_ids[i * bs : (i + 1) * bs]]
             else:
                 assert set(hs) <= self.live, f"removed while not cached: {set(hs) - self.live}"
                 self.live -= set(hs)
+
+
+    def check_real_tokens(self, d: Driver, bs: int) -> None:
+        """Every stored block (prompt blocks and, with cache_decode_blocks, the blocks decode
+        filled) holds a block-aligned run of some request's real tokens, hashed as a chain from
+        its start: never a draft that was not accepted."""
+        real: dict[int, list[int]] = {}
+        for rid in d.reqs:
+            toks = d.known(rid)
+            parent = None
+            for i in range(len(toks) // bs):
+                block = toks[i * bs : (i + 1) * bs]
+                parent = block_hash(block, parent)
+                real[parent] = block
+        for h, block in self.stored.items():
+            assert real.get(h) == block, f"stored block {block} is no request's real tokens"
 
 
 def run(scn: Scenario, mode: str) -> Driver:
@@ -207,6 +228,7 @@ def run(scn: Scenario, mode: str) -> Driver:
     ledger.feed(list(d.sched.take_events()))
     if not cfg.enable_kv_events:
         assert ledger.num_events == 0
+    ledger.check_real_tokens(d, int(cfg.block_size))
     d.check_all_done()
     d.check_against_oracle()
     return d

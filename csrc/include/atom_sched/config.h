@@ -35,6 +35,10 @@ struct SchedulerConfig {
   // > 0: one request prefills at most this many tokens per step, so a long prompt cannot take
   // the whole budget (vLLM's; needs chunked prefill). 0: no cap.
   int32_t long_prefill_token_threshold = 0;
+  // Publish the blocks a request fills while it decodes, once their tokens are verified, so a
+  // follow-up turn that resends the conversation hits them (vLLM's behaviour). false: only
+  // prompt blocks are cached, as ATOM.
+  bool cache_decode_blocks = true;
 
   /// Throws InvalidArgument naming the first invalid field.
   void validate() const;

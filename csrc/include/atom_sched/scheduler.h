@@ -219,6 +219,9 @@ class Scheduler {
   void ship_new_blocks(Batch& b, int32_t row, Request& r);
   void fill_block_table_row(Batch& b, int32_t row, const Request& r, bool same_owner);
   void set_computed(Request& r, int32_t num_computed);  // keeps num_partial_ in step
+  /// Publishes the request's blocks [blocks_published, end) to the prefix cache (their KV and
+  /// tokens are final).
+  void publish_blocks(Request& r, int32_t end);
 
   // Outputs.
   void validate_outputs(const Batch& b, const ModelOutputs& out) const;
@@ -236,6 +239,7 @@ class Scheduler {
   // end finishes kv_capacity.
   int32_t pool_positions_;
   int32_t position_limit_;
+  bool cache_decode_blocks_;  // config: decode-block caching, and prefix caching is on
   BlockPool pool_;
 
   std::vector<Request> requests_;  // slots; reused
