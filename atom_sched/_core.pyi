@@ -32,6 +32,7 @@ class SchedulerConfig:
     scheduler_delay_factor: float
     enable_kv_events: bool
     num_state_slots: int
+    policy: Literal["atom", "mixed"]
     scheduling: Literal["fcfs", "priority"]
     long_prefill_token_threshold: int
     cache_decode_blocks: bool
@@ -51,6 +52,7 @@ class SchedulerConfig:
         scheduler_delay_factor: float = 0.0,
         enable_kv_events: bool = False,
         num_state_slots: int = 0,
+        policy: Literal["atom", "mixed"] = "atom",
         scheduling: Literal["fcfs", "priority"] = "fcfs",
         long_prefill_token_threshold: int = 0,
         cache_decode_blocks: bool = True,
@@ -193,6 +195,8 @@ class Batch:
     def seeds(self) -> npt.NDArray[np.int64]: ...
     @property
     def state_slots(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def row_is_prefill(self) -> npt.NDArray[np.bool_]: ...
     @property
     def emits_token(self) -> npt.NDArray[np.bool_]: ...
     @property

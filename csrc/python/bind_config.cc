@@ -36,14 +36,23 @@ void add_pickle(py::class_<T>& cls, const std::array<const char*, N>& fields) {
   });
 }
 
-constexpr std::array<const char*, 16> kSchedulerConfigFields = {
+constexpr std::array<const char*, 17> kSchedulerConfigFields = {
     "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "enable_prefix_caching", "enable_chunked_prefill", "num_speculative_tokens", "eos_token_id",
     "stop_token_ids", "scheduler_delay_factor", "enable_kv_events", "num_state_slots",
-    "scheduling", "long_prefill_token_threshold", "cache_decode_blocks"};
+    "policy", "scheduling", "long_prefill_token_threshold", "cache_decode_blocks"};
 constexpr std::array<const char*, 12> kSamplingParamsFields = {
     "temperature", "top_k", "top_p", "max_tokens", "ignore_eos", "n", "logprobs",
     "stop_token_ids", "stop_token_sequences", "seed", "min_tokens", "priority"};
+
+// SchedulerConfig.policy in Python.
+const char* policy_name(BatchPolicy p) { return p == BatchPolicy::kMixed ? "mixed" : "atom"; }
+
+BatchPolicy policy_from(const std::string& name) {
+  if (name == "atom") return BatchPolicy::kAtom;
+  if (name == "mixed") return BatchPolicy::kMixed;
+  throw py::value_error("policy must be 'atom' or 'mixed', got '" + name + "'");
+}
 
 // SchedulerConfig.scheduling in Python: vLLM's policy names.
 const char* scheduling_name(SchedulingPolicy p) {
@@ -67,7 +76,8 @@ void bind_config(py::module_& m) {
                        int32_t num_speculative_tokens, int32_t eos_token_id,
                        std::vector<int32_t> stop_token_ids, double scheduler_delay_factor,
                        bool enable_kv_events, int32_t num_state_slots,
-                       const std::string& scheduling, int32_t long_prefill_token_threshold,
+                       const std::string& policy, const std::string& scheduling,
+                       int32_t long_prefill_token_threshold,
                        bool cache_decode_blocks) {
              SchedulerConfig c;
              c.num_blocks = num_blocks;
@@ -83,6 +93,7 @@ void bind_config(py::module_& m) {
              c.scheduler_delay_factor = scheduler_delay_factor;
              c.enable_kv_events = enable_kv_events;
              c.num_state_slots = num_state_slots;
+             c.policy = policy_from(policy);
              c.scheduling = scheduling_from(scheduling);
              c.long_prefill_token_threshold = long_prefill_token_threshold;
              c.cache_decode_blocks = cache_decode_blocks;
@@ -93,7 +104,8 @@ void bind_config(py::module_& m) {
            "enable_prefix_caching"_a = true, "enable_chunked_prefill"_a = true,
            "num_speculative_tokens"_a = 0, "eos_token_id"_a = -1,
            "stop_token_ids"_a = std::vector<int32_t>{}, "scheduler_delay_factor"_a = 0.0,
-           "enable_kv_events"_a = false, "num_state_slots"_a = 0, "scheduling"_a = "fcfs",
+           "enable_kv_events"_a = false, "num_state_slots"_a = 0, "policy"_a = "atom",
+           "scheduling"_a = "fcfs",
            "long_prefill_token_threshold"_a = 0, "cache_decode_blocks"_a = true)
       .def_readwrite("num_blocks", &SchedulerConfig::num_blocks)
       .def_readwrite("block_size", &SchedulerConfig::block_size)
@@ -109,6 +121,9 @@ void bind_config(py::module_& m) {
       .def_readwrite("enable_kv_events", &SchedulerConfig::enable_kv_events)
       .def_readwrite("num_state_slots", &SchedulerConfig::num_state_slots)
       .def_property(
+          "policy", [](const SchedulerConfig& c) { return policy_name(c.policy); },
+          [](SchedulerConfig& c, const std::string& name) { c.policy = policy_from(name); })
+      .def_property(
           "scheduling", [](const SchedulerConfig& c) { return scheduling_name(c.scheduling); },
           [](SchedulerConfig& c, const std::string& name) { c.scheduling = scheduling_from(name); })
       .def_readwrite("long_prefill_token_threshold",
@@ -123,7 +138,8 @@ void bind_config(py::module_& m) {
                ", max_num_batched_tokens=" + std::to_string(c.max_num_batched_tokens) +
                ", max_model_len=" + std::to_string(c.max_model_len) +
                ", num_speculative_tokens=" + std::to_string(c.num_speculative_tokens) +
-               ", scheduling='" + scheduling_name(c.scheduling) + "')";
+               ", policy='" + policy_name(c.policy) + "', scheduling='" +
+               scheduling_name(c.scheduling) + "')";
       });
   add_pickle(config, kSchedulerConfigFields);
 

@@ -401,6 +401,7 @@ void bind_scheduler(py::module_& m) {
       .def_property_readonly("top_ps", row_array(&Batch::top_ps))
       .def_property_readonly("seeds", row_array(&Batch::seeds))
       .def_property_readonly("state_slots", row_array(&Batch::state_slots))
+      .def_property_readonly("row_is_prefill", bool_row_array(&Batch::row_is_prefill))
       .def_property_readonly("emits_token", bool_row_array(&Batch::emits_token))
       .def_property_readonly("row_exact", bool_row_array(&Batch::row_exact))
       .def_property_readonly("slot_reset", bool_row_array(&Batch::slot_reset))

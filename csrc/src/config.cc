@@ -38,6 +38,8 @@ void SchedulerConfig::validate() const {
   require(scheduler_delay_factor >= 0.0,
           "scheduler_delay_factor must be >= 0" + got(scheduler_delay_factor));
   require(num_state_slots >= 0, "num_state_slots must be >= 0" + got(int64_t{num_state_slots}));
+  require(policy == BatchPolicy::kAtom || policy == BatchPolicy::kMixed,
+          "policy must be atom or mixed" + got(int64_t{static_cast<int>(policy)}));
   require(scheduling == SchedulingPolicy::kFcfs || scheduling == SchedulingPolicy::kPriority,
           "scheduling must be FCFS or priority" + got(int64_t{static_cast<int>(scheduling)}));
   require(long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0" +

@@ -53,6 +53,7 @@ Scheduler::Scheduler(SchedulerConfig config)
     b.top_ks.resize(rows);
     b.top_ps.resize(rows);
     b.seeds.resize(rows);
+    b.row_is_prefill.resize(rows);
     b.emits_token.resize(rows);
     b.row_exact.resize(rows);
     b.state_slots.resize(rows);
@@ -572,8 +573,9 @@ bool Scheduler::preemption_can_free(int32_t slot, int32_t missing) {
   return room >= missing;
 }
 
-void Scheduler::schedule_decodes(Batch& b) {
+int32_t Scheduler::schedule_decodes(Batch& b) {
   const int32_t bs = config_.block_size;
+  const int32_t first_row = b.num_rows;
   for (int32_t s = running_.head; s >= 0;) {
     if (b.num_rows >= config_.max_num_seqs) break;
     Request& r = requests_[s];
@@ -616,6 +618,7 @@ void Scheduler::schedule_decodes(Batch& b) {
     add_decode_row(b, s, n);
     s = links_[s].next;
   }
+  return b.num_rows - first_row;
 }
 
 void Scheduler::release_kv(Request& r, bool keep_blocks) {
@@ -659,18 +662,24 @@ const Batch* Scheduler::schedule(double now, bool allow_prefill) {
   Batch& b = batches_[next_buffer_];
   const Batch::Header kept = b.header();
   b.id = 0;  // while it is rebuilt, views of the batch it held raise (a connector may read one)
-  begin_batch(b, /*is_prefill=*/true);
-  if (allow_prefill) schedule_prefills(b, now);
-  if (b.num_rows == 0) {
-    begin_batch(b, /*is_prefill=*/false);
-    schedule_decodes(b);
+  begin_batch(b);
+  int32_t decode_rows = 0;
+  if (config_.policy == BatchPolicy::kMixed) {
+    // Stall-free: no running request waits for a prefill; prompts take the budget left.
+    decode_rows = schedule_decodes(b);
+    if (allow_prefill) schedule_prefills(b, now);
+  } else {
+    if (allow_prefill) schedule_prefills(b, now);
+    if (b.num_rows == 0) decode_rows = schedule_decodes(b);
   }
   if (b.num_rows == 0) {
     b.set_header(kept);
     return nullptr;
   }
   b.id = next_batch_id_++;
-  if (b.is_prefill) prev_prompt_ = true;
+  b.is_prefill = decode_rows == 0;
+  b.num_spec_tokens = decode_rows > 0 ? k_ : 0;
+  if (b.num_rows > decode_rows) prev_prompt_ = true;
   next_buffer_ = (next_buffer_ + 1) % kMaxOutstandingBatches;
   ++num_outstanding_;
   ++stats_.num_steps;
@@ -688,11 +697,9 @@ NextBatchInfo Scheduler::next_batch_info(double now, bool allow_prefill) const {
 // ---------------------------------------------------------------------------------------------
 // Batch assembly
 
-void Scheduler::begin_batch(Batch& b, bool is_prefill) {
-  b.is_prefill = is_prefill;
+void Scheduler::begin_batch(Batch& b) {
   b.num_rows = 0;
   b.num_tokens = 0;
-  b.num_spec_tokens = is_prefill ? 0 : k_;
   b.max_seqlen_q = 0;
   b.max_seqlen_k = 0;
   b.cu_seqlens_q[0] = 0;
@@ -793,8 +800,11 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
               b.scheduled_tokens.begin() + b.num_tokens);
   b.num_tokens += chunk;
   set_computed(r, r.num_computed_tokens + chunk);
+  b.row_is_prefill[row] = 1;
   b.emits_token[row] = r.num_computed_tokens == r.prefill_target;
   b.row_exact[row] = 1;  // prompt tokens and positions are always known
+  // A prefill row has no drafts: in a mixed batch its spec_draft_tokens read -1.
+  std::fill_n(b.spec_draft_tokens.begin() + static_cast<size_t>(row) * k_, k_, -1);
   ++r.num_inflight;
 }
 
@@ -818,6 +828,7 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   for (int32_t j = 0; j < n - 1; ++j) drafts[j] = tokens[j + 1] = known ? r.drafts[j] : -1;
   for (int32_t j = n - 1; j < k_; ++j) drafts[j] = -1;
   b.num_tokens += n;
+  b.row_is_prefill[row] = 0;
   b.emits_token[row] = 1;
   r.num_computed_tokens += n;  // upper bound until the accepted count arrives
   ++r.num_inflight;

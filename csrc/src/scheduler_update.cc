@@ -37,7 +37,7 @@ void Scheduler::validate_outputs(const Batch& b, const ModelOutputs& out) const 
     throw InvalidArgument("logprobs must have the shape of sampled_token_ids");
   for (size_t i = 0; i < rows; ++i) {
     // A decode row accepts at most its tokens: K+1, fewer where drafts were capped.
-    const int32_t max_accepted = b.is_prefill ? 1 : b.num_scheduled_tokens[i];
+    const int32_t max_accepted = b.row_is_prefill[i] ? 1 : b.num_scheduled_tokens[i];
     const int32_t a = out.num_accepted.empty() ? 1 : out.num_accepted[i];
     if (a < 1 || a > max_accepted)
       throw InvalidArgument("num_accepted[" + std::to_string(i) + "] = " + std::to_string(a) +
@@ -109,7 +109,8 @@ void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs
   }
   const bool running = r.status == RequestStatus::kRunning;
   int32_t accepted = 1;
-  if (b.is_prefill) {
+  const bool prefill_row = b.row_is_prefill[row] != 0;
+  if (prefill_row) {
     // Publish the blocks this chunk completed, now that their KV exists. A preempted request's
     // blocks are gone, so there is nothing to publish.
     if (running && config_.enable_prefix_caching) {
@@ -148,7 +149,7 @@ void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs
   // Decode-block caching: every position but the last token's now holds verified KV (the row's
   // input was the last token and the drafts now accepted); the blocks it fills are published
   // before a finish frees them, so a follow-up turn finds them.
-  if (!b.is_prefill && running && cache_decode_blocks_ &&
+  if (!prefill_row && running && cache_decode_blocks_ &&
       r.num_tokens() > (r.blocks_published + 1) * config_.block_size)
     publish_blocks(r, (r.num_tokens() - 1) / config_.block_size);
   // Entries are written by index into arrays update() sized for the worst case.

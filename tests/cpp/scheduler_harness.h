@@ -73,7 +73,7 @@ struct Snap {
   int32_t width = 0;
   V64 req_ids;
   V nsched, ncached, ctx, last_block, top_ks, state_slots, tables, drafts, cu_q, cu_k, tokens;
-  std::vector<uint8_t> emits, exact;
+  std::vector<uint8_t> prefill_rows, emits, exact;
   std::vector<float> temps, top_ps;
   V64 positions, slots;
   // Device plan (docs/api.md "The device plan").
@@ -103,6 +103,7 @@ struct Snap {
     cu_q = Head(b.cu_seqlens_q, n + 1, "cu_seqlens_q");
     cu_k = Head(b.cu_seqlens_k, n + 1, "cu_seqlens_k");
     tokens = Head(b.scheduled_tokens, t, "scheduled_tokens");
+    prefill_rows = Head(b.row_is_prefill, n, "row_is_prefill");
     emits = Head(b.emits_token, n, "emits_token");
     exact = Head(b.row_exact, n, "row_exact");
     temps = Head(b.temperatures, n, "temperatures");
@@ -287,7 +288,17 @@ class H {
     EXPECT_LE(b.num_rows, c.max_num_seqs);
     EXPECT_LE(b.num_tokens, c.max_num_batched_tokens);
     EXPECT_EQ(b.width, c.max_blocks_per_request());
+    // Row kinds: an ATOM batch is all prefill or all decode; a mixed batch has its decode rows
+    // first. is_prefill says every row is a prefill row; drafts are carried when a row decodes.
+    const int32_t num_prefill =
+        static_cast<int32_t>(std::count(b.prefill_rows.begin(), b.prefill_rows.end(), 1));
+    EXPECT_EQ(b.is_prefill, num_prefill == b.num_rows);
     EXPECT_EQ(b.num_spec_tokens, b.is_prefill ? 0 : k);
+    if (c.policy == BatchPolicy::kAtom) {
+      EXPECT_TRUE(num_prefill == 0 || num_prefill == b.num_rows) << "ATOM's policy mixed kinds";
+    }
+    EXPECT_TRUE(std::is_sorted(b.prefill_rows.begin(), b.prefill_rows.end()))
+        << "a prefill row before a decode row";
     EXPECT_EQ(std::set<int64_t>(b.req_ids.begin(), b.req_ids.end()).size(), b.req_ids.size())
         << "a request twice in one batch";
     if (b.cu_q.empty() || b.cu_k.empty()) return;
@@ -301,8 +312,11 @@ class H {
       EXPECT_EQ(b.cu_k[i + 1] - b.cu_k[i], b.ctx[i]);
       EXPECT_EQ(b.ctx[i], b.ncached[i] + b.nsched[i]);
       EXPECT_GT(b.nsched[i], 0);
-      if (!b.is_prefill) {  // K+1, or fewer where the drafts would pass max_model_len
+      const bool prefill_row = b.prefill_rows[i] != 0;
+      if (!prefill_row) {  // K+1, or fewer where the drafts would pass max_model_len
         EXPECT_LE(b.nsched[i], k + 1);
+      } else if (b.num_spec_tokens > 0) {
+        EXPECT_EQ(b.row_drafts(i), V(k, -1)) << "a prefill row has no drafts";
       }
       EXPECT_LE(b.ctx[i], c.max_model_len) << "a position at or past max_model_len";
       max_q = std::max(max_q, b.nsched[i]);
@@ -347,7 +361,7 @@ class H {
         }
       }
       const bool in_flight_before = r.num_inflight > 1;
-      if (b.is_prefill) {
+      if (prefill_row) {
         EXPECT_EQ(b.emits[i] != 0, b.ctx[i] == r.prefill_target) << "emits_token";
         // (A continuation chunk scheduled while the previous chunk is in flight is exact too; that
         // case has its own test, OneStepAheadPrefillChunkRowIsExact.)
@@ -374,7 +388,7 @@ class H {
           }
         }
       }
-      if (!b.is_prefill || b.emits[i]) {
+      if (!prefill_row || b.emits[i]) {
         EXPECT_EQ(b.last_block[i], (b.ctx[i] - 1) % bs + 1) << "last_block_num_tokens";
       }
     }

@@ -33,7 +33,7 @@ FakeOut Fake(const Snap& b, int32_t k, Acc acc) {
   for (int32_t i = 0; i < b.num_rows; ++i) {
     const int32_t pos = b.ncached[i] + b.nsched[i] - 1;
     for (int32_t j = 0; j <= k; ++j) f.sampled.push_back(1000 + (pos + j) % 500);
-    f.acc.push_back(b.is_prefill ? 1 : acc(i));
+    f.acc.push_back(b.prefill_rows[i] ? 1 : acc(i));
     for (int32_t j = 0; j < k; ++j) f.drafts.push_back(7 + j);
   }
   if (k == 0) f.acc.clear();

@@ -1,6 +1,7 @@
 // The policy seam (policy.h): the rule types on their own, priority scheduling (vLLM's
 // semantics: waiting by (priority, arrival), the victim the lowest priority, latest arrival),
-// long_prefill_token_threshold, and the data-parallel readiness probe calling the admission rule.
+// long_prefill_token_threshold, the data-parallel readiness probe calling the admission rule,
+// and mixed batches (policy kMixed: decode rows first, prefill chunks in the budget left).
 //
 // Every schedule() and update() goes through the harness H, which runs check_invariants() (queues
 // in service order included) after each call and checks every batch against the request table.
@@ -291,6 +292,122 @@ TEST(SchedulerTest, ReadinessProbeCountsWhatAdmissionAdmits) {
   }
   EXPECT_GT(nonzero, 100) << "the trials should admit";
   EXPECT_GT(partial_fit, 10) << "the trials should admit a chunk of a second request";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mixed batches
+// ---------------------------------------------------------------------------------------------
+
+// bs 4, budget 16, K = 0. A, B prompts of 4; then C of 30 arrives.
+//   step 1: prefill A, B (nothing runs yet: an all-prefill batch)
+//   step 2: decode A, B (1 token each), then C's first chunk of 14: rows A B C, kinds 0 0 1
+//   step 3: A, B, C 14 more (28)       step 4: A, B, C 2 (emits)       step 5: A, B, C decode
+// ATOM's policy would stall A and B for two whole prefill steps of C.
+TEST(SchedulerTest, MixedBatchDecodesEveryRunningRequestThenPrefills) {
+  SchedulerConfig c = Cfg(64);
+  c.max_num_batched_tokens = 16;
+  c.policy = BatchPolicy::kMixed;
+  H h(c);
+  h.add(1, Seq(100, 4));
+  h.add(2, Seq(200, 4));
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  EXPECT_TRUE(s1->is_prefill);
+  EXPECT_EQ(s1->prefill_rows, (std::vector<uint8_t>{1, 1}));
+  h.upd(*s1, {110, 210});
+  h.add(3, Seq(300, 30));
+  const std::vector<V> nsched = {{1, 1, 14}, {1, 1, 14}, {1, 1, 2}, {1, 1, 1}};
+  const std::vector<std::vector<uint8_t>> kinds = {
+      {0, 0, 1}, {0, 0, 1}, {0, 0, 1}, {0, 0, 0}};
+  const std::vector<std::vector<uint8_t>> emits = {
+      {1, 1, 0}, {1, 1, 0}, {1, 1, 1}, {1, 1, 1}};
+  for (size_t step = 0; step < nsched.size(); ++step) {
+    SCOPED_TRACE(step + 2);
+    auto b = h.sched();
+    ASSERT_TRUE(b);
+    EXPECT_FALSE(b->is_prefill);
+    EXPECT_EQ(b->req_ids, (V64{1, 2, 3}));
+    EXPECT_EQ(b->nsched, nsched[step]);
+    EXPECT_EQ(b->prefill_rows, kinds[step]);
+    EXPECT_EQ(b->emits, emits[step]);
+    const int32_t g = static_cast<int32_t>(step);
+    const Outs o = h.upd(*b, {111 + g, 211 + g, 310 + g});
+    EXPECT_EQ(o.tokens(1), V{111 + g});
+    EXPECT_EQ(o.has(3), step >= 2) << "C streams once its prompt is done";
+  }
+  EXPECT_EQ(h.s.request(3).tokens, Cat(Seq(300, 30), {312, 313}));
+}
+
+// K = 2, mixed: decode rows verify drafts while a prefill row runs. The prefill row has no
+// drafts (-1) and accepts exactly 1 token; its own drafts for the next step are kept.
+TEST(SchedulerTest, MixedBatchVerifiesDraftsBesidePrefillRows) {
+  SchedulerConfig c = SpecCfg(64, 2);
+  c.policy = BatchPolicy::kMixed;
+  H h(c);
+  h.add(1, Seq(100, 4));
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  h.upd(*s1, {110, 0, 0}, {1}, {111, 112});
+  h.add(2, Seq(200, 5));
+  auto s2 = h.sched();
+  ASSERT_TRUE(s2);
+  EXPECT_FALSE(s2->is_prefill);
+  EXPECT_EQ(s2->num_spec_tokens, 2);
+  EXPECT_EQ(s2->req_ids, (V64{1, 2}));
+  EXPECT_EQ(s2->prefill_rows, (std::vector<uint8_t>{0, 1}));
+  EXPECT_EQ(s2->nsched, (V{3, 5}));
+  EXPECT_EQ(s2->drafts, (V{111, 112, -1, -1}));
+  EXPECT_EQ(s2->tokens, Cat({110, 111, 112}, Seq(200, 5)));
+  // A prefill row accepts exactly one token: 2 is refused, state unchanged.
+  ModelOutputs bad;
+  const V sampled = {111, 112, 113, 210, 0, 0}, acc_bad = {3, 2}, drafts = {114, 115, 211, 212};
+  bad.sampled_token_ids = sampled;
+  bad.num_accepted = acc_bad;
+  bad.draft_token_ids = drafts;
+  EXPECT_THROW(h.s.update(s2->id, bad), InvalidArgument);
+  h.Inv("refused update");
+  const Outs o = h.upd(*s2, sampled, {3, 1}, drafts);
+  EXPECT_EQ(o.tokens(1), (V{111, 112, 113}));
+  EXPECT_EQ(o.tokens(2), V{210});
+  auto s3 = h.sched();
+  ASSERT_TRUE(s3);
+  EXPECT_EQ(s3->prefill_rows, (std::vector<uint8_t>{0, 0}));
+  EXPECT_EQ(s3->drafts, (V{114, 115, 211, 212}));
+}
+
+// Mixed, 6 usable blocks of 4. A and B (8-token prompts, 2 blocks each) run; C (4 tokens) waits.
+//   step 2: decode A, B at pos 8: each takes a block (0 free); C does not fit and waits: decode
+//           rows come first, and a waiting prompt never preempts a running request
+//   steps 3-5: A, B at pos 9..11
+//   step 6: A needs a block at pos 12: preempts the tail, B (as ATOM's policy); B heads waiting
+//           with 13 tokens (4 blocks, 2 free): B and C wait behind it
+TEST(SchedulerTest, MixedBatchDecodesBeforeAdmittingAndPreemptsAsAtom) {
+  SchedulerConfig c = Cfg(6);
+  c.enable_prefix_caching = false;
+  c.policy = BatchPolicy::kMixed;
+  H h(c);
+  h.add(1, Seq(100, 8));
+  h.add(2, Seq(200, 8));
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  h.upd(*s1, {110, 210});
+  h.add(3, Seq(300, 4));
+  for (int32_t step = 2; step <= 5; ++step) {
+    SCOPED_TRACE(step);
+    auto b = h.sched();
+    ASSERT_TRUE(b);
+    EXPECT_EQ(b->req_ids, (V64{1, 2}));
+    EXPECT_EQ(b->positions, (V64{6 + step, 6 + step}));
+    EXPECT_EQ(h.s.waiting_ids(), V64{3});
+    h.upd(*b, {111, 211});
+  }
+  EXPECT_EQ(h.s.block_pool().num_free_blocks(), 0);
+  auto s6 = h.sched();
+  ASSERT_TRUE(s6);
+  EXPECT_EQ(s6->req_ids, V64{1});
+  EXPECT_EQ(s6->positions, V64{12});
+  EXPECT_EQ(h.s.waiting_ids(), (V64{2, 3}));
+  EXPECT_EQ(h.s.stats().num_preemptions, 1);
 }
 
 }  // namespace

@@ -49,8 +49,10 @@ int32_t ModelToken(int64_t id, int32_t n) {
   return 10 + static_cast<int32_t>((id * 37 + n * 11) % 97);
 }
 
-RunResult RunWorkload(bool one_step_ahead, bool chunked, bool check_plan = false) {
+RunResult RunWorkload(bool one_step_ahead, bool chunked, bool check_plan = false,
+                      BatchPolicy policy = BatchPolicy::kAtom) {
   SchedulerConfig c = Cfg(14);
+  c.policy = policy;
   // Without chunking the budget must hold a preempted request's whole re-prefill.
   c.max_num_batched_tokens = chunked ? 16 : 64;
   c.max_num_seqs = 5;
@@ -101,14 +103,20 @@ RunResult RunWorkload(bool one_step_ahead, bool chunked, bool check_plan = false
 }
 
 TEST(SchedulerTest, SynchronousAndOneStepAheadStreamTheSameTokens) {
-  for (bool chunked : {true, false}) {
-    SCOPED_TRACE(chunked);
-    const RunResult sync = RunWorkload(false, chunked);
-    const RunResult async = RunWorkload(true, chunked);
+  for (const auto& [chunked, policy] : {std::pair{true, BatchPolicy::kAtom},
+                                       std::pair{false, BatchPolicy::kAtom},
+                                       std::pair{true, BatchPolicy::kMixed},
+                                       std::pair{false, BatchPolicy::kMixed}}) {
+    SCOPED_TRACE(testing::Message() << "chunked " << chunked << " mixed "
+                                    << (policy == BatchPolicy::kMixed));
+    const RunResult sync = RunWorkload(false, chunked, false, policy);
+    const RunResult async = RunWorkload(true, chunked, false, policy);
     EXPECT_EQ(sync.why.size(), 10u);
     EXPECT_EQ(sync.tokens, async.tokens);
     EXPECT_EQ(sync.why, async.why);
-    EXPECT_GT(sync.preemptions + async.preemptions, 0) << "the workload should preempt";
+    if (policy == BatchPolicy::kAtom) {  // (the workload is sized for ATOM's batches)
+      EXPECT_GT(sync.preemptions + async.preemptions, 0) << "the workload should preempt";
+    }
     for (const auto& [id, t] : sync.tokens) {
       for (size_t n = 0; n < t.size(); ++n) {
         EXPECT_EQ(t[n], ModelToken(id, static_cast<int32_t>(n)));
@@ -141,6 +149,7 @@ void RandomStream(uint32_t seed, bool check_plan) {
     c.eos_token_id = 2;
     c.stop_token_ids = {3};
     c.num_state_slots = rng() % 4 == 0 ? pick(1, 4) : 0;
+    c.policy = rng() % 2 == 0 ? BatchPolicy::kMixed : BatchPolicy::kAtom;
     c.scheduling = rng() % 3 == 0 ? SchedulingPolicy::kPriority : SchedulingPolicy::kFcfs;
     if (c.enable_chunked_prefill && rng() % 3 == 0) c.long_prefill_token_threshold = pick(1, 12);
     const int32_t k = c.num_speculative_tokens;
@@ -177,7 +186,7 @@ void RandomStream(uint32_t seed, bool check_plan) {
       for (int32_t r = 0; r < b.num_rows; ++r) {
         for (int32_t j = 0; j < w; ++j) sampled.push_back(rng() % 12 == 0 ? 2 : pick(4, 40));
         if (k > 0) {
-          acc.push_back(b.is_prefill ? 1 : pick(1, b.nsched[r]));  // K+1, fewer near the limit
+          acc.push_back(b.prefill_rows[r] ? 1 : pick(1, b.nsched[r]));  // K+1, fewer near limit
           for (int32_t j = 0; j < k; ++j) drafts.push_back(pick(4, 40));
         }
       }
@@ -256,8 +265,11 @@ TEST(SchedulerTest, RandomStreamsKeepInvariants) {
 TEST(SchedulerTest, DevicePlanRebuildsTheBlockTables) {
   for (bool ahead : {false, true}) {
     for (bool chunked : {true, false}) {
-      SCOPED_TRACE(testing::Message() << "one_step_ahead " << ahead << " chunked " << chunked);
-      RunWorkload(ahead, chunked, /*check_plan=*/true);
+      for (BatchPolicy policy : {BatchPolicy::kAtom, BatchPolicy::kMixed}) {
+        SCOPED_TRACE(testing::Message() << "one_step_ahead " << ahead << " chunked " << chunked
+                                        << " mixed " << (policy == BatchPolicy::kMixed));
+        RunWorkload(ahead, chunked, /*check_plan=*/true, policy);
+      }
     }
   }
   for (uint32_t seed = 1; seed <= 6 && !HasFailure(); ++seed) RandomStream(seed, true);

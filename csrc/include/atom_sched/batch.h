@@ -16,10 +16,10 @@ namespace atom_sched {
 
 struct Batch {
   uint64_t id = 0;           // increasing; update() must name the oldest outstanding batch
-  bool is_prefill = false;   // prefill and decode never mix (ATOM's policy)
+  bool is_prefill = false;   // every row is a prefill row (ATOM's policy never mixes kinds)
   int32_t num_rows = 0;
   int32_t num_tokens = 0;    // total scheduled tokens (ATOM's total_tokens_num)
-  int32_t num_spec_tokens = 0;  // K for a decode batch, 0 for a prefill batch
+  int32_t num_spec_tokens = 0;  // K when a row decodes, 0 for an all-prefill batch
   int32_t max_seqlen_q = 0;
   int32_t max_seqlen_k = 0;
   int32_t block_table_width = 0;  // columns of block_tables (fixed for a scheduler)
@@ -54,13 +54,14 @@ struct Batch {
   std::vector<int32_t> top_ks;
   std::vector<float> top_ps;
   std::vector<int64_t> seeds;        // the request's SamplingParams.seed (-1: none)
+  std::vector<uint8_t> row_is_prefill;  // 1: a prompt chunk; 0: a decode row (K+1 tokens)
   std::vector<uint8_t> emits_token;  // 0 for a prefill chunk that does not finish the prompt
   std::vector<uint8_t> row_exact;    // 1 when every value of the row is exact
   std::vector<int32_t> state_slots;  // per-request state slot, -1 if none
   // [num_rows, block_table_width]: a row's blocks, then kNullBlock (0) to the end of the row
   // (docs/design.md, "block-table contract").
   std::vector<int32_t> block_tables;
-  std::vector<int32_t> spec_draft_tokens;  // [num_rows, K] decode only; -1 where unknown
+  std::vector<int32_t> spec_draft_tokens;  // [num_rows, K]; -1 where unknown or a prefill row
   std::vector<int32_t> cu_seqlens_q;       // [num_rows + 1]
   std::vector<int32_t> cu_seqlens_k;       // [num_rows + 1]
 

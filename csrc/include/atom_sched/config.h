@@ -9,6 +9,13 @@ namespace atom_sched {
 /// The most speculative (draft) tokens per request per step that the scheduler supports.
 inline constexpr int32_t kMaxSpeculativeTokens = 8;
 
+/// What one step holds.
+enum class BatchPolicy : uint8_t {
+  kAtom,   // ATOM's: prefill rows when any can run, else decode rows; never both
+  kMixed,  // stall-free (vLLM, TensorRT-LLM, Sarathi-Serve): every running request's decode row
+           // first, then prefill chunks in the budget left
+};
+
 /// Which waiting request is admitted first and which running request is preempted first
 /// (policy.h's ServiceOrder states the rule).
 enum class SchedulingPolicy : uint8_t {
@@ -31,6 +38,7 @@ struct SchedulerConfig {
   double scheduler_delay_factor = 0.0;  // > 0 delays admission as ATOM does (seconds ratio)
   bool enable_kv_events = false;        // record BlockStored/BlockRemoved/AllBlocksCleared
   int32_t num_state_slots = 0;  // per-request state slots (linear attention); 0: not needed
+  BatchPolicy policy = BatchPolicy::kAtom;
   SchedulingPolicy scheduling = SchedulingPolicy::kFcfs;
   // > 0: one request prefills at most this many tokens per step, so a long prompt cannot take
   // the whole budget (vLLM's; needs chunked prefill). 0: no cap.

@@ -188,7 +188,7 @@ class Scheduler {
   [[nodiscard]] int32_t probe_blocks(const Request& r) const;  // blocks can_allocate may hit
   [[nodiscard]] bool passed_delay(double now);
   void schedule_prefills(Batch& b, double now);
-  void schedule_decodes(Batch& b);
+  int32_t schedule_decodes(Batch& b);  // returns the decode rows it added
   /// Tokens of the request's next decode row: K+1, fewer where a position would reach
   /// position_limit_, 0 (no row) when none is left or its outputs in flight will end it.
   [[nodiscard]] int32_t decode_row_tokens(const Request& r) const;
@@ -212,7 +212,7 @@ class Scheduler {
   void finish(int32_t slot, FinishReason reason, int32_t stop_token);
 
   // Batch assembly.
-  void begin_batch(Batch& b, bool is_prefill);
+  void begin_batch(Batch& b);
   void add_prefill_row(Batch& b, int32_t slot, int32_t chunk);
   void add_decode_row(Batch& b, int32_t slot, int32_t num_tokens);
   int32_t begin_row(Batch& b, Request& r, int32_t slot, int32_t num_tokens);
