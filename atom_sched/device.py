@@ -58,6 +58,11 @@ def _torch() -> Any:
     return torch
 
 
+def _decode_only(batch: Any) -> bool:
+    """No prefill row (is_prefill says every row is one; a mixed batch holds both kinds)."""
+    return not batch.is_prefill and not np.asarray(batch.row_is_prefill).any()
+
+
 def describe_errors(bits: int) -> str:
     """Human-readable names of device error bits."""
     names = [name for bit, name in ERROR_NAMES.items() if bits & bit]
@@ -334,8 +339,6 @@ class DeviceBatchBuilder:
         )
         self._result_np = [self._result_host[i].numpy() for i in range(2)]
         self._result_events: list[Any] = [None, None]
-        self._ones = np.ones(self.max_rows, dtype=np.bool_)
-        self._zeros = np.zeros(self.max_rows, dtype=np.bool_)
         self._views: dict[tuple[int, int], dict[str, Any]] = {}
         self._graphs: dict[tuple[int, int], Any] = {}
         self._graph_seen: set[tuple[int, int]] = set()
@@ -365,7 +368,7 @@ class DeviceBatchBuilder:
         n, ntok = int(batch.num_rows), int(batch.num_tokens)
         if rows is None:
             rows = n
-            if self.capture_sizes and not batch.is_prefill:
+            if self.capture_sizes and _decode_only(batch):
                 rows = next((s for s in self.capture_sizes if s >= n), n)
         if not n <= rows <= self.max_rows:
             raise ValueError(f"num_rows_padded={rows} must be in {n}..{self.max_rows}")
@@ -455,7 +458,7 @@ class DeviceBatchBuilder:
         if n > self.max_rows:
             raise ValueError(f"batch has {n} rows; the builder holds {self.max_rows}")
         rows, tokens = self._padded(batch, num_rows_padded, num_tokens_padded)
-        prefill = bool(batch.is_prefill)
+        decode_only = _decode_only(batch)
         buf = self._step & 1
         self._step += 1
         self._wait(self._plan_events[buf])  # the upload that last read this host buffer
@@ -465,7 +468,7 @@ class DeviceBatchBuilder:
             batch.request_slots,
             batch.num_scheduled_tokens,
             batch.num_cached_tokens,
-            self._ones[:n] if prefill else self._zeros[:n],
+            batch.row_is_prefill,
             batch.slot_reset,
             batch.emits_token,
             batch.new_block_starts,
@@ -482,12 +485,13 @@ class DeviceBatchBuilder:
             plan = int(self._plan_dev.data_ptr())
         else:
             plan = self._plan_host_ptr[buf]
-        self._launch_prepare(plan, rows, tokens, graph=self.cuda_graphs and not prefill)
+        # Graphs for decode-only steps: their sizes repeat (capture sizes), a prefill's do not.
+        self._launch_prepare(plan, rows, tokens, graph=self.cuda_graphs and decode_only)
         self._last = (int(batch.id), plan, n, rows)
         v = self._view(rows, tokens)
         return DeviceInputs(
             batch_id=int(batch.id),
-            is_prefill=prefill,
+            is_prefill=bool(batch.is_prefill),
             num_rows=n,
             num_tokens=int(batch.num_tokens),
             num_rows_padded=rows,

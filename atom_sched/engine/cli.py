@@ -50,6 +50,9 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     e.add_argument("--async", dest="one_step_ahead", action="store_true",
                    help="one-step-ahead protocol: schedule step t+1 before step t's outputs")
     e.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    e.add_argument("--policy", choices=("atom", "mixed"), default="atom",
+                   help="atom: a step prefills or decodes (ATOM's, default); mixed: every "
+                        "running request decodes each step, prompts fill the budget left")
     e.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: cores - 1, at least 1)")
     o = g.add_argument_group("output")
@@ -164,7 +167,7 @@ def check_args(args: argparse.Namespace) -> str | None:
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.chunk_size,
                         max_model_len=args.max_model_len,
-                        num_speculative_tokens=args.spec).validate()
+                        num_speculative_tokens=args.spec, policy=args.policy).validate()
         SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p)
     except (TypeError, ValueError) as e:
@@ -201,8 +204,8 @@ def run(args: argparse.Namespace) -> int:
         num_blocks=args.kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.chunk_size, max_model_len=args.max_model_len,
         num_speculative_tokens=args.spec, one_step_ahead=args.one_step_ahead,
-        enable_prefix_caching=not args.no_prefix_caching, ngram_max=args.ngram,
-        seed=args.seed or 0)
+        enable_prefix_caching=not args.no_prefix_caching, policy=args.policy,
+        ngram_max=args.ngram, seed=args.seed or 0)
     try:
         engine = LLMEngine(cfg, verbose=True)
     except ModelNotFoundError as e:

@@ -43,6 +43,7 @@ class GenerationParams:
     stop: Sequence[str] = ()  # stop strings, tokenized into stop sequences for the scheduler
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    priority: int = 0  # EngineConfig.scheduling="priority" only: smaller is served first
 
 
 @dataclass
@@ -55,6 +56,9 @@ class EngineConfig:
     num_speculative_tokens: int = 0  # K for the n-gram drafter (0 = off)
     one_step_ahead: bool = False
     enable_prefix_caching: bool = True
+    policy: str = "atom"  # "mixed": decode rows never wait for a prefill (docs/api.md, Policy)
+    scheduling: str = "fcfs"  # or "priority" (GenerationParams.priority)
+    long_prefill_token_threshold: int = 0  # > 0: one request's prefill chunk per step at most
     ngram_max: int = 3
     ngram_min: int = 1
     seed: int = 0
@@ -99,8 +103,8 @@ class Timings:
     draft: float = 0.0  # n-gram drafter
     detok: float = 0.0  # incremental detokenization and stop strings
     steps: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
+    prefill_steps: int = 0  # steps with a prefill row
+    decode_steps: int = 0  # steps with a decode row (a mixed step is both)
     tokens_in: int = 0  # tokens run through the model (prompt chunks + decode inputs)
     partial_prefill_rows: int = 0  # prefill chunks that did not reach the end of the prompt
     decode_rows: int = 0  # sum over decode steps of their rows
@@ -194,7 +198,9 @@ class LLMEngine:
             num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
             enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=True,
-            num_speculative_tokens=cfg.num_speculative_tokens, eos_token_id=self.eos_token_id)
+            num_speculative_tokens=cfg.num_speculative_tokens, eos_token_id=self.eos_token_id,
+            policy=cfg.policy, scheduling=cfg.scheduling,
+            long_prefill_token_threshold=cfg.long_prefill_token_threshold)
         self.scheduler = Scheduler(self.sched_config)
         self.cache = PagedKVCache(self.dims, cfg.num_blocks, cfg.block_size)
         # CPU tensors: the builder runs the C++ references of its kernels.
@@ -255,7 +261,8 @@ class LLMEngine:
                             top_p=float(params.top_p), max_tokens=int(params.max_tokens),
                             ignore_eos=bool(params.ignore_eos),
                             stop_token_ids=[int(t) for t in params.stop_token_ids],
-                            stop_token_sequences=self.stop_sequences(params.stop))
+                            stop_token_sequences=self.stop_sequences(params.stop),
+                            priority=int(params.priority))
         self.scheduler.add_request(rid, ids, sp)
         hist = np.zeros(len(ids) + params.max_tokens + 8, dtype=np.int64)
         hist[: len(ids)] = ids
@@ -438,13 +445,16 @@ class LLMEngine:
         tm.draft += t5 - t4
         tm.steps += 1
         tm.tokens_in += inp.num_tokens
-        if inp.is_prefill:
+        # A mixed step (policy="mixed") counts as a prefill step and as a decode step.
+        prefill_rows = np.asarray(batch.row_is_prefill)
+        decode_rows = ~prefill_rows
+        if prefill_rows.any():
             tm.prefill_steps += 1
-            tm.partial_prefill_rows += int((~emits).sum())
-        else:
+            tm.partial_prefill_rows += int((prefill_rows & ~emits).sum())
+        if decode_rows.any():
             tm.decode_steps += 1
-            tm.decode_rows += n
-            tm.decode_tokens += int(acc[:n].sum())
+            tm.decode_rows += int(decode_rows.sum())
+            tm.decode_tokens += int(acc[:n][decode_rows].sum())
         return _InFlight(batch, result)
 
     def _deliver(self, f: _InFlight) -> list[StreamEvent]:

@@ -4,7 +4,7 @@ Every step, the builder's tensors must equal the core's host batch arrays (input
 slot_mapping, seq_lens, query_start_loc, cu_seqlens_k, block_table, logits indices) and, after
 ``update``, each running request's device slot must hold its computed length, last token, drafts
 and block table: through chunked prefill, prefix hits, preemption, finishes and slot reuse, K = 0
-and K > 0, greedy and probabilistic verification, and the one-step-ahead protocol.
+and K > 0, greedy and probabilistic verification, the one-step-ahead protocol, and mixed batches.
 """
 
 from __future__ import annotations
@@ -47,6 +47,13 @@ CONFIGS = {
                        enable_chunked_prefill=False), 9, 16),
     "block_size_1": (dict(num_blocks=300, block_size=1, max_num_seqs=5,
                           max_num_batched_tokens=20, max_model_len=96), 8, 5),
+    # Mixed batches: decode rows verify drafts while prefill rows run in the same step.
+    "mixed_chunked_prefix": (dict(num_blocks=96, block_size=4, max_num_seqs=6,
+                                  max_num_batched_tokens=24, max_model_len=128,
+                                  policy="mixed"), 14, 12),
+    "mixed_preempt_small_pool": (dict(num_blocks=22, block_size=4, max_num_seqs=6,
+                                      max_num_batched_tokens=32, max_model_len=64,
+                                      policy="mixed"), 12, 8),
 }
 
 
@@ -62,8 +69,10 @@ def test_builder_matches_host_arrays_step_after_step(name: str, k: int) -> None:
     assert log.slot_reuses > 0, "slots were reused after finishes"
     if shared:
         assert log.prefix_hits > 0
-    if name == "preempt_small_pool":
+    if name.endswith("preempt_small_pool"):
         assert log.preemptions > 0
+    if name.startswith("mixed"):
+        assert log.mixed_steps > 0, "some steps held prefill and decode rows"
     assert builder.host_waits == 0
 
 
@@ -79,12 +88,13 @@ def test_probabilistic_verification_drives_the_scheduler(k: int) -> None:
     assert prob.finished == greedy.finished
 
 
+@pytest.mark.parametrize("name", ["chunked_prefix", "mixed_chunked_prefix"])
 @pytest.mark.parametrize("k", [0, 2, 5])
-def test_one_step_ahead_builds_the_same_inputs_as_synchronous(k: int) -> None:
+def test_one_step_ahead_builds_the_same_inputs_as_synchronous(k: int, name: str) -> None:
     """One step ahead, the host knows neither the in-flight tokens nor (K > 0) the lengths; the
     device does. Every input the device builds, per request and position, and every streamed
     token must be those of the synchronous run."""
-    kw, n, shared = CONFIGS["chunked_prefix"]
+    kw, n, shared = CONFIGS[name]
     cfg = SchedulerConfig(num_speculative_tokens=k, eos_token_id=1, **kw)
     ps = prompts(n, seed=11 + k, shared=shared)
     sync, _ = run_builder(cfg, ps, SpecModel(k, seed=9))

@@ -156,9 +156,11 @@ def test_bad_plans_set_the_same_error_bits() -> None:
 
 @pytest.mark.parametrize("k", [0, 2, 8])
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_builder_on_gpu_drives_the_scheduler(k: int, mode: str) -> None:
+@pytest.mark.parametrize("policy", ["atom", "mixed"])
+def test_builder_on_gpu_drives_the_scheduler(k: int, mode: str, policy: str) -> None:
     cfg = SchedulerConfig(num_blocks=40, block_size=4, max_num_seqs=8, max_num_batched_tokens=48,
-                          max_model_len=96, num_speculative_tokens=k, eos_token_id=1)
+                          max_model_len=96, num_speculative_tokens=k, eos_token_id=1,
+                          policy=policy)
     rng = np.random.default_rng(k)
     prompts = {rid: ([int(x) for x in rng.integers(10, 5000, size=int(rng.integers(1, 30)))],
                      None) for rid in range(16)}
@@ -168,6 +170,7 @@ def test_builder_on_gpu_drives_the_scheduler(k: int, mode: str) -> None:
                                capture_sizes=(1, 2, 4, 8), kernels=False)
     assert builder.runs_kernels and not ref.runs_kernels
     assert log.tokens == cpu_log.tokens and log.finished == cpu_log.finished
+    assert (log.mixed_steps > 0) == (policy == "mixed")
     assert builder.host_waits == 0, "a step waited for the device"
     if not HIP_CPU:  # no graphs on hip-cpu
         assert builder._graphs, "decode steps replayed captured graphs"

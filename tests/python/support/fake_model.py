@@ -120,7 +120,8 @@ class FakeModel:
                 continue
             g = self.gen[rid]
             # A row near the position limit carries fewer than K+1 tokens: at most that many.
-            a = 1 if rec.is_prefill else min(self.accepted(rid, g), rec.num_scheduled_tokens[i])
+            a = (1 if rec.row_is_prefill[i]
+                 else min(self.accepted(rid, g), rec.num_scheduled_tokens[i]))
             for j in range(a):
                 sampled[i, j] = self.token(rid, g + j)
                 lps[i, j] = self.logprob(rid, g + j)
