@@ -48,7 +48,8 @@ DECODE_SIZES = (64, 256, 1024, 4096)
 
 # DESIGN.md section 8 budgets, in the unit of the workload's result.
 BUDGETS: dict[str, float] = {
-    "decode_1024": 60.0,  # µs per step
+    "decode_1024": 60.0,  # µs per step (any policy: decode_1024_mixed too)
+    "decode_1024_mixed": 60.0,
     "decode_4096": 200.0,  # µs per step
     "admission": 2000.0,  # µs, all schedule() + update() calls
     "mtp3_256": 30.0,  # µs per step
@@ -265,12 +266,13 @@ def _verify_rows(b: Any, prompts: np.ndarray | None = None) -> None:
 
 
 def _prefill_all(s: Scheduler, rows_max: int, k: int, drafts: np.ndarray | None) -> None:
-    """Runs prefill batches until the first decode batch has been scheduled and updated."""
+    """Runs prefill (or mixed) batches until the first batch of decode rows only has been
+    scheduled and updated."""
     ones = np.full(max(rows_max, 1), 7, np.int32)
     while True:
         b = s.schedule()
         _require(b is not None, "setup: schedule() returned None while prefilling")
-        if not b.is_prefill:
+        if not np.asarray(b.row_is_prefill).any():
             n = b.num_rows
             if k == 0:
                 s.update(b, ones[:n])
@@ -303,20 +305,31 @@ class _DecodeRig:
     One step = schedule() + reading the runner's views (or, with `staged`, copying them into
     preallocated buffers) + update() with preallocated sampled (and, for K > 0, num_accepted
     uniform in 1..K+1 and drafts) arrays.
+
+    `policy` is the SchedulerConfig's. With `prefill_chunk` > 0 (K = 0, policy "mixed") every
+    step also prefills `prefill_chunk` tokens of a stream of prompts (4 chunks each, max_tokens
+    1: each finishes as its prefill does and the next one is admitted in the same step), so
+    every step is a mixed batch of n decode rows and one prefill row.
     """
 
     def __init__(self, n: int, steps: int, *, k: int = 0, check: bool = False,
-                 staged: bool = False, prompt_len: int = 64, seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
+                 staged: bool = False, prompt_len: int = 64, seed: int = 0,
+                 policy: str = "atom", prefill_chunk: int = 0) -> None:
+        rng = self.rng = np.random.default_rng(seed)
+        _require(prefill_chunk == 0 or (k == 0 and policy == "mixed"),
+                 "a prefill stream needs K = 0 and policy 'mixed'")
         self.n, self.k, self.check, self.capacity = n, k, check, steps
+        self.chunk = prefill_chunk
+        self.rows = n + (1 if prefill_chunk else 0)
         w = k + 1
-        max_len = prompt_len + (steps + 4) * w + 2 * BLOCK_SIZE
+        max_len = max(prompt_len + (steps + 4) * w + 2 * BLOCK_SIZE, 4 * prefill_chunk + 1)
         max_len = -(-max_len // BLOCK_SIZE) * BLOCK_SIZE
-        cfg = SchedulerConfig(num_blocks=1, block_size=BLOCK_SIZE, max_num_seqs=n,
-                              max_num_batched_tokens=max(n * w, 8192), max_model_len=max_len,
-                              num_speculative_tokens=k)
+        budget = n * w + prefill_chunk if prefill_chunk else max(n * w, 8192)
+        cfg = SchedulerConfig(num_blocks=1, block_size=BLOCK_SIZE, max_num_seqs=self.rows,
+                              max_num_batched_tokens=budget, max_model_len=max_len,
+                              num_speculative_tokens=k, policy=policy)
         width = _table_width(cfg)
-        cfg.num_blocks = n * (width + 1)
+        cfg.num_blocks = (n + 2) * (width + 1)
         s = self.s = Scheduler(cfg)
         sp = SamplingParams(max_tokens=max_len - prompt_len, ignore_eos=True)
         for i in range(n):
@@ -324,7 +337,8 @@ class _DecodeRig:
         self.drafts = rng.integers(3, 32000, (n, k), dtype=np.int32) if k else None
         _prefill_all(s, n, k, self.drafts)
         _require(s.num_running == n and s.num_waiting == 0, "setup: not every request is running")
-        self.sampled = rng.integers(3, 32000, (n, w) if k else n, dtype=np.int32)
+        self.sampled = rng.integers(3, 32000, (n, w) if k else self.rows, dtype=np.int32)
+        self.next_prompt_id = n
         self.acc_ring = [rng.integers(1, w + 1, n, dtype=np.int32) for _ in range(64)] if k else []
         self.stage = _Staging(n, n * w, width) if staged else None
         self.steps_done = 0
@@ -346,6 +360,11 @@ class _DecodeRig:
         sink = 0
         with self.ng:
             for i in range(count):
+                if self.chunk and s.num_waiting == 0:  # the next prompt of the stream
+                    s.add_request(self.next_prompt_id,
+                                  self.rng.integers(3, 32000, 4 * self.chunk, dtype=np.int32),
+                                  SamplingParams(max_tokens=1))
+                    self.next_prompt_id += 1
                 if k == 0:
                     t0 = clock()
                     b = s.schedule()
@@ -361,11 +380,15 @@ class _DecodeRig:
                     t1 = clock()
                 if times is not None:
                     times[i] = t1 - t0
-                # Always on, outside the timer: the step really was a decode step over n rows.
-                if b.num_rows != n or b.is_prefill:
+                # Always on, outside the timer: the step really was a decode step over n rows
+                # (and, with a prefill stream, one prefill row of `chunk` tokens).
+                if b.num_rows != self.rows or b.is_prefill or (
+                        self.chunk and b.num_tokens != n + self.chunk):
                     raise BenchCheckError(f"decode step {self.steps_done + i} had {b.num_rows} "
-                                          f"rows (prefill={b.is_prefill}), expected {n}")
-                if check:
+                                          f"rows (prefill={b.is_prefill}), expected {self.rows}")
+                if check and self.chunk:
+                    s.check_invariants()
+                elif check:
                     self.prev = _check_decode_step(s, b, out, n, k, acc, drafts, self.prev)
                     if k:
                         row0 = np.flatnonzero(self.prev["ids"] == 0)[0]
@@ -377,7 +400,8 @@ class _DecodeRig:
         """End-of-run checks; returns the tokens request 0 gained."""
         s, steps, w = self.s, self.steps_done, self.k + 1
         _require(s.stats()["num_steps"] - self.steps0 == steps, "scheduler step count is off")
-        _require(s.num_running == self.n and s.num_waiting == 0, "requests left the running set")
+        _require(s.num_running == self.rows and s.num_waiting == (1 if self.chunk else 0),
+                 "requests left the running set")
         grown = s.request_state(0)["num_tokens"] - self.tokens0
         if self.k == 0:
             _require(grown == steps, f"request 0 gained {grown} tokens over {steps} steps")
@@ -393,11 +417,12 @@ class _DecodeRig:
 
 
 def decode_step(n: int, reps: int, warmup: int, *, k: int = 0, check: bool = False,
-                staged: bool = False, prompt_len: int = 64, seed: int = 0) -> Result:
+                staged: bool = False, prompt_len: int = 64, seed: int = 0,
+                policy: str = "atom", prefill_chunk: int = 0) -> Result:
     """Steady-state decode with `n` running requests (see _DecodeRig): `warmup` untimed steps,
     then `reps` timed ones."""
     rig = _DecodeRig(n, warmup + reps, k=k, check=check, staged=staged, prompt_len=prompt_len,
-                     seed=seed)
+                     seed=seed, policy=policy, prefill_chunk=prefill_chunk)
     rig.run(warmup)
     times = np.zeros(reps, np.int64)
     rig.run(reps, times)
@@ -410,9 +435,16 @@ def decode_step(n: int, reps: int, warmup: int, *, k: int = 0, check: bool = Fal
         name = f"decode step, {n:,} running + staging copies"
     else:
         name = f"decode step, {n:,} running"
+    budget = None if staged else BUDGETS.get(key)
+    if prefill_chunk:  # reported, no budget: what a mixed step adds to a decode step
+        key, budget = f"mixed_{n}_{prefill_chunk}", None
+        name = f"mixed step, {n:,} decode rows + a {prefill_chunk}-token prefill chunk"
+    elif policy != "atom":  # the decode step's budget holds whatever the policy
+        key, name = f"{key}_{policy}", f"{name}, policy {policy}"
     return Result(key=key, name=name, unit="µs/step", median=med, p10=p10, p90=p90, reps=reps,
-                  budget=None if staged else BUDGETS.get(key), checked=check,
-                  info={"rows": n, "tokens_per_step": n * (k + 1),
+                  budget=budget, checked=check,
+                  info={"rows": rig.rows, "tokens_per_step": n * (k + 1) + prefill_chunk,
+                        "policy": policy,
                         "tokens_gained_by_request_0": grown,
                         "touch": "staging copies" if staged else "views + last element",
                         "cpu_share": rig.ng.cpu_share, "other_busy": rig.ng.other_busy})
@@ -748,6 +780,12 @@ def workloads(quick: bool = False, check: bool = False) -> list[Workload]:
     for n in DECODE_SIZES:
         out.append(Workload(f"decode_{n}", f"decode {n}",
                             lambda n=n: decode_step(n, r.decode[n], r.warmup, check=check)))
+    out.append(Workload("decode_1024_mixed", "decode 1024, policy mixed",
+                        lambda: decode_step(1024, r.decode[1024], r.warmup, check=check,
+                                            policy="mixed")))
+    out.append(Workload("mixed_1024_512", "mixed 1024 + 512-token chunk",
+                        lambda: decode_step(1024, r.decode[1024], r.warmup, check=check,
+                                            policy="mixed", prefill_chunk=512)))
     out.append(Workload("decode_1024_staged", "decode 1024 + staging",
                         lambda: decode_step(1024, r.decode[1024], r.warmup, check=check,
                                             staged=True)))

@@ -85,6 +85,7 @@ Scheduler::Scheduler(SchedulerConfig config)
   for (int32_t s = config_.max_num_seqs - 1; s >= 0; --s) free_device_slots_.push_back(s);
   slot_by_id_.reserve(rows * 2);
   victim_refs_.assign(config_.num_blocks, 0);
+  partial_.reserve(rows);
 }
 
 int32_t Scheduler::new_slot() {
@@ -274,15 +275,24 @@ void Scheduler::abort_request(int64_t id) {
   finish(slot, FinishReason::kAborted, -1);
 }
 
-void Scheduler::set_computed(Request& r, int32_t num_computed) {
-  const bool was_partial = r.is_partial_prefill();
-  r.num_computed_tokens = num_computed;
-  num_partial_ += static_cast<int32_t>(r.is_partial_prefill()) - static_cast<int32_t>(was_partial);
+void Scheduler::track_partial(int32_t slot) {
+  // In running order: FCFS appends (admissions join the back of running), priority sorts.
+  const ServiceOrder order{config_.scheduling};
+  auto at = partial_.end();
+  if (order.sorted())
+    at = std::upper_bound(partial_.begin(), partial_.end(), slot, [&](int32_t a, int32_t b) {
+      return order(requests_[a], requests_[b]);
+    });
+  partial_.insert(at, slot);  // within the capacity reserved at construction
+}
+
+void Scheduler::untrack_partial(int32_t slot) {
+  partial_.erase(std::find(partial_.begin(), partial_.end(), slot));
 }
 
 void Scheduler::finish(int32_t slot, FinishReason reason, int32_t stop_token) {
   Request& r = requests_[slot];
-  if (r.is_partial_prefill()) --num_partial_;
+  if (r.is_partial_prefill()) untrack_partial(slot);
   if (r.status == RequestStatus::kRunning) {
     list_remove(running_, slot);
   } else if (r.status == RequestStatus::kWaitingForRemoteKv) {
@@ -387,15 +397,16 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
   const int32_t max_rows = config_.max_num_seqs;
   const PrefillChunk chunk_of = prefill_chunk();
 
-  // Phase 1: resume partial prefills, in running order.
-  for (int32_t s = running_.head; s >= 0 && num_partial_ > 0; s = links_[s].next) {
-    if (b.num_rows >= max_rows) break;
+  // Phase 1: resume partial prefills, in running order (partial_ keeps it, so a mixed step
+  // does not walk every running request to find them).
+  for (size_t i = 0; i < partial_.size() && b.num_rows < max_rows;) {
+    const int32_t s = partial_[i];
     const Request& r = requests_[s];
-    if (!r.is_partial_prefill()) continue;
     const int32_t chunk = chunk_of(r.prefill_target - r.num_computed_tokens,
                                    budget - b.num_tokens, /*must_chunk=*/true);
     if (chunk <= 0) break;
     add_prefill_row(b, s, chunk);
+    if (i < partial_.size() && partial_[i] == s) ++i;  // still partial; else it left partial_
   }
 
   // Phase 2: admit from the head of waiting, in service order, until one does not fit.
@@ -473,7 +484,7 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
     r.num_computed_tokens = hits * bs;
     r.status = RequestStatus::kRunning;
     enqueue(running_, s);
-    num_partial_ += r.is_partial_prefill();  // always: the last block is never a hit
+    track_partial(s);  // always partial here: the last block is never a hit
     add_prefill_row(b, s, chunk);
   }
 }
@@ -637,7 +648,7 @@ void Scheduler::release_kv(Request& r, bool keep_blocks) {
 
 void Scheduler::preempt(int32_t slot) {
   Request& r = requests_[slot];
-  if (r.is_partial_prefill()) --num_partial_;
+  if (r.is_partial_prefill()) untrack_partial(slot);
   list_remove(running_, slot);
   release_kv(r);
   // Only real tokens are ever kept, so nothing needs stripping (ATOM left placeholders, 8.1).
@@ -799,7 +810,8 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   std::copy_n(r.tokens.begin() + r.num_computed_tokens, chunk,
               b.scheduled_tokens.begin() + b.num_tokens);
   b.num_tokens += chunk;
-  set_computed(r, r.num_computed_tokens + chunk);
+  r.num_computed_tokens += chunk;
+  if (!r.is_partial_prefill()) untrack_partial(slot);  // its prompt is fully scheduled
   b.row_is_prefill[row] = 1;
   b.emits_token[row] = r.num_computed_tokens == r.prefill_target;
   b.row_exact[row] = 1;  // prompt tokens and positions are always known

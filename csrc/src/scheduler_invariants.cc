@@ -34,7 +34,7 @@ void Scheduler::check_invariants() const {
             "a batch row's block table is not padded with the null block");
     }
   }
-  int32_t live = 0, partial = 0;
+  int32_t live = 0;
   std::vector<uint8_t> device_slot_used(config_.max_num_seqs, 0);
   for (int32_t d : free_device_slots_) {
     check(d >= 0 && d < config_.max_num_seqs && !device_slot_used[d], "device slot list corrupt");
@@ -86,7 +86,6 @@ void Scheduler::check_invariants() const {
       count_blocks(r, who);
       continue;
     }
-    partial += r.is_partial_prefill();
     check(r.num_computed_tokens <= r.num_tokens() + r.num_inflight * (k_ + 1),
           who + "computed tokens beyond what is known or in flight");
     check(static_cast<int32_t>(r.block_table.size()) >= ceil_div(r.num_computed_tokens, bs),
@@ -107,7 +106,6 @@ void Scheduler::check_invariants() const {
   }
   check(deferred == static_cast<int32_t>(deferred_.size()), "deferred map holds stale ids");
   check(live == static_cast<int32_t>(slot_by_id_.size()), "id map holds dead requests");
-  check(partial == num_partial_, "partial prefill count is off");
   check(running_.size <= config_.max_num_seqs, "running set exceeds max_num_seqs");
   const ServiceOrder order{config_.scheduling};
   auto walk = [&](const List& l, RequestStatus status, const char* name) {
@@ -127,6 +125,10 @@ void Scheduler::check_invariants() const {
   walk(waiting_, RequestStatus::kWaiting, "waiting");
   walk(remote_waiting_, RequestStatus::kWaitingForRemoteKv, "remote-waiting");
   walk(running_, RequestStatus::kRunning, "running");
+  std::vector<int32_t> partial;  // the running list's partial prefills, in its order
+  for (int32_t s = running_.head; s >= 0; s = links_[s].next)
+    if (requests_[s].is_partial_prefill()) partial.push_back(s);
+  check(partial == partial_, "the partial prefills are not tracked in running order");
   check(waiting_.size + remote_waiting_.size + running_.size == live,
         "a live request is in no queue");
   check(std::count(device_slot_used.begin(), device_slot_used.end(), 1) == config_.max_num_seqs,

@@ -218,7 +218,8 @@ class Scheduler {
   int32_t begin_row(Batch& b, Request& r, int32_t slot, int32_t num_tokens);
   void ship_new_blocks(Batch& b, int32_t row, Request& r);
   void fill_block_table_row(Batch& b, int32_t row, const Request& r, bool same_owner);
-  void set_computed(Request& r, int32_t num_computed);  // keeps num_partial_ in step
+  void track_partial(int32_t slot);    // a running request whose prefill is not all scheduled
+  void untrack_partial(int32_t slot);  // its prompt is fully scheduled, or it left running
   /// Publishes the request's blocks [blocks_published, end) to the prefix cache (their KV and
   /// tokens are final).
   void publish_blocks(Request& r, int32_t end);
@@ -269,7 +270,8 @@ class Scheduler {
   std::unordered_map<int64_t, int32_t> deferred_;  // finished ids whose blocks wait on a transfer
   std::vector<std::string> connector_errors_;
   std::vector<int32_t> free_device_slots_;  // device state slots not held by an admission
-  int32_t num_partial_ = 0;  // running requests whose prefill is not fully scheduled yet
+  // Running requests whose prefill is not fully scheduled yet, in running order (few).
+  std::vector<int32_t> partial_;
   std::vector<int32_t> victim_refs_;  // [num_blocks], 0 between calls: preemption_can_free()
   uint64_t next_epoch_ = 1;
   uint64_t next_arrival_seq_ = 0;
