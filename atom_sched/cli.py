@@ -8,6 +8,8 @@ Subcommands:
 
 * ``generate``: the example engine (atom_sched/engine/cli.py).
 
+* ``simulate``: the serving simulator (atom_sched/sim/cli.py).
+
 ``generate`` is an ``argparse`` subparser with a ``_cmd_generate`` handler; ``bench`` hands its
 arguments to the harness, which owns its options.
 """
@@ -71,6 +73,25 @@ def _add_generate(sub: Any) -> None:
     g.set_defaults(func=_cmd_generate, subparser=g)
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from .sim.cli import run
+
+    return run(args)
+
+
+def _add_simulate(sub: Any) -> None:
+    from .sim.cli import add_arguments
+
+    g = sub.add_parser(
+        "simulate", help="serving simulator: policies compared on a simulated GPU",
+        description="Drives the real scheduler with Poisson arrivals of ShareGPT conversations "
+                    "(or synthetic mixes) on a simulated clock (step time a + b * tokens + c * "
+                    "sum(context)) and reports throughput, TTFT and inter-token latency "
+                    "percentiles, preemptions and the prefix hit rate per policy.")
+    add_arguments(g)
+    g.set_defaults(func=_cmd_simulate, subparser=g)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="atom-sched",
                                 description="atom_sched: LLM-inference scheduler tools")
@@ -81,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="run the host-cost benchmarks (DESIGN.md section 8; options: "
                                  "atom-sched bench --help)", add_help=False)
     _add_generate(sub)
+    _add_simulate(sub)
     return p
 
 
