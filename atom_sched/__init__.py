@@ -32,6 +32,7 @@ from ._core import (
     SchedulerConfig,
     StepOutput,
     block_hash,
+    hash_namespace,
 )
 from .device import AcceptResult, DeviceBatchBuilder, DeviceInputs
 
@@ -56,5 +57,6 @@ __all__ = [
     "SchedulerConfig",
     "StepOutput",
     "block_hash",
+    "hash_namespace",
     "__version__",
 ]

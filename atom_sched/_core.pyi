@@ -17,6 +17,7 @@ DEVICE_RESULT_HEADER_WORDS: int
 DEVICE_ERROR_BITS: dict[int, str]
 
 def block_hash(token_ids: Sequence[int], parent: int | None = None) -> int: ...
+def hash_namespace(*, lora_name: str = "", cache_salt: str = "") -> int | None: ...
 
 class SchedulerConfig:
     num_blocks: int
@@ -74,6 +75,8 @@ class SamplingParams:
     seed: int
     min_tokens: int
     priority: int
+    cache_salt: str
+    lora_name: str
     def __init__(
         self,
         *,
@@ -89,6 +92,8 @@ class SamplingParams:
         seed: int = -1,
         min_tokens: int = 0,
         priority: int = 0,
+        cache_salt: str = "",
+        lora_name: str = "",
     ) -> None: ...
     def validate(self) -> None: ...
 
@@ -107,6 +112,8 @@ class KVEvent:
         token_ids: Sequence[int] = ...,
         block_size: int = 0,
         medium: str | None = "GPU",
+        lora_name: str = "",
+        cache_salt: str = "",
     ) -> None: ...
     @property
     def kind(self) -> str: ...
@@ -120,6 +127,10 @@ class KVEvent:
     def block_size(self) -> int: ...
     @property
     def medium(self) -> str | None: ...
+    @property
+    def lora_name(self) -> str: ...
+    @property
+    def cache_salt(self) -> str: ...
 
 class RequestOutput:
     @property

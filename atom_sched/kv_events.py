@@ -33,6 +33,7 @@ __all__ = [
     "KVEventPublisher",
     "encode_batch",
     "encode_event",
+    "extra_keys",
     "offset_endpoint_port",
 ]
 
@@ -48,10 +49,30 @@ class EventLike(Protocol):
     token_ids: list[int]
     block_size: int
     medium: str | None
+    lora_name: str  # "" for none (an older event object may lack both)
+    cache_salt: str
+
+
+def extra_keys(event: EventLike) -> list[tuple[str, ...] | None] | None:
+    """vLLM's per-block ``extra_keys`` of a BlockStored: the LoRA name on every block, the cache
+    salt on a sequence's first block (this event's first when it has no parent); None when the
+    blocks have no extra keys."""
+    lora = getattr(event, "lora_name", "")
+    salt = getattr(event, "cache_salt", "")
+    if not lora and not salt:
+        return None
+    out: list[tuple[str, ...] | None] = []
+    for i in range(len(event.block_hashes)):
+        keys = ((lora,) if lora else ()) + (
+            (salt,) if salt and i == 0 and event.parent_block_hash is None else ())
+        out.append(keys or None)
+    return out
 
 
 def encode_event(event: EventLike, encoding: Encoding = "map") -> Any:
-    """The msgpack-ready form of one event: vLLM's map layout or the legacy positional one."""
+    """The msgpack-ready form of one event: vLLM's map layout or the legacy positional one.
+    Blocks hashed under extra keys (SamplingParams.lora_name, cache_salt) carry ``lora_name`` and,
+    in the map layout, ``extra_keys``; their hashes differ from the same tokens' without them."""
     kind = event.kind
     if kind == "BlockStored":
         fields = {
@@ -61,8 +82,11 @@ def encode_event(event: EventLike, encoding: Encoding = "map") -> Any:
             "block_size": event.block_size,
             "lora_id": None,
             "medium": event.medium,
-            "lora_name": None,
+            "lora_name": getattr(event, "lora_name", "") or None,
         }
+        keys = extra_keys(event)
+        if keys is not None and encoding == "map":
+            fields["extra_keys"] = keys
     elif kind == "BlockRemoved":
         fields = {"block_hashes": list(event.block_hashes), "medium": event.medium}
     elif kind == "AllBlocksCleared":

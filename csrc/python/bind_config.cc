@@ -41,9 +41,10 @@ constexpr std::array<const char*, 17> kSchedulerConfigFields = {
     "enable_prefix_caching", "enable_chunked_prefill", "num_speculative_tokens", "eos_token_id",
     "stop_token_ids", "scheduler_delay_factor", "enable_kv_events", "num_state_slots",
     "policy", "scheduling", "long_prefill_token_threshold", "cache_decode_blocks"};
-constexpr std::array<const char*, 12> kSamplingParamsFields = {
+constexpr std::array<const char*, 14> kSamplingParamsFields = {
     "temperature", "top_k", "top_p", "max_tokens", "ignore_eos", "n", "logprobs",
-    "stop_token_ids", "stop_token_sequences", "seed", "min_tokens", "priority"};
+    "stop_token_ids", "stop_token_sequences", "seed", "min_tokens", "priority", "cache_salt",
+    "lora_name"};
 
 // SchedulerConfig.policy in Python.
 const char* policy_name(BatchPolicy p) { return p == BatchPolicy::kMixed ? "mixed" : "atom"; }
@@ -149,7 +150,8 @@ void bind_config(py::module_& m) {
                        bool ignore_eos, int32_t n, bool logprobs,
                        std::vector<int32_t> stop_token_ids,
                        std::vector<std::vector<int32_t>> stop_token_sequences, int64_t seed,
-                       int32_t min_tokens, int32_t priority) {
+                       int32_t min_tokens, int32_t priority, std::string cache_salt,
+                       std::string lora_name) {
              SamplingParams p;
              p.temperature = temperature;
              p.top_k = top_k;
@@ -163,6 +165,8 @@ void bind_config(py::module_& m) {
              p.seed = seed;
              p.min_tokens = min_tokens;
              p.priority = priority;
+             p.cache_salt = std::move(cache_salt);
+             p.lora_name = std::move(lora_name);
              p.validate();
              return p;
            }),
@@ -170,7 +174,7 @@ void bind_config(py::module_& m) {
            "max_tokens"_a = 64, "ignore_eos"_a = false, "n"_a = 1, "logprobs"_a = false,
            "stop_token_ids"_a = std::vector<int32_t>{},
            "stop_token_sequences"_a = std::vector<std::vector<int32_t>>{}, "seed"_a = -1,
-           "min_tokens"_a = 0, "priority"_a = 0)
+           "min_tokens"_a = 0, "priority"_a = 0, "cache_salt"_a = "", "lora_name"_a = "")
       .def_readwrite("temperature", &SamplingParams::temperature)
       .def_readwrite("top_k", &SamplingParams::top_k)
       .def_readwrite("top_p", &SamplingParams::top_p)
@@ -183,6 +187,8 @@ void bind_config(py::module_& m) {
       .def_readwrite("seed", &SamplingParams::seed)
       .def_readwrite("min_tokens", &SamplingParams::min_tokens)
       .def_readwrite("priority", &SamplingParams::priority)
+      .def_readwrite("cache_salt", &SamplingParams::cache_salt)
+      .def_readwrite("lora_name", &SamplingParams::lora_name)
       .def("validate", &SamplingParams::validate)
       .def("__repr__", [](const SamplingParams& p) {
         return "SamplingParams(temperature=" + std::to_string(p.temperature) +

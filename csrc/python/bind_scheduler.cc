@@ -268,7 +268,8 @@ void bind_scheduler(py::module_& m) {
   py::class_<KvEvent>(m, "KVEvent", "A KV-cache event (BlockStored, BlockRemoved, ...).")
       .def(py::init([](const std::string& kind, std::vector<uint64_t> block_hashes,
                        std::optional<uint64_t> parent_block_hash, std::vector<int32_t> token_ids,
-                       int32_t block_size, std::optional<std::string> medium) {
+                       int32_t block_size, std::optional<std::string> medium,
+                       std::string lora_name, std::string cache_salt) {
              KvEvent e;
              if (kind == "BlockStored") {
                e.kind = KvEventKind::kBlockStored;
@@ -284,16 +285,20 @@ void bind_scheduler(py::module_& m) {
              e.token_ids = std::move(token_ids);
              e.block_size = block_size;
              e.medium = medium_from_name(medium);
+             e.lora_name = std::move(lora_name);
+             e.cache_salt = std::move(cache_salt);
              return e;
            }),
            "kind"_a, "block_hashes"_a = std::vector<uint64_t>{},
            "parent_block_hash"_a = py::none(), "token_ids"_a = std::vector<int32_t>{},
-           "block_size"_a = 0, "medium"_a = "GPU")
+           "block_size"_a = 0, "medium"_a = "GPU", "lora_name"_a = "", "cache_salt"_a = "")
       .def_property_readonly("kind", [](const KvEvent& e) { return event_kind_name(e.kind); })
       .def_readonly("block_hashes", &KvEvent::block_hashes)
       .def_readonly("parent_block_hash", &KvEvent::parent_block_hash)
       .def_readonly("token_ids", &KvEvent::token_ids)
       .def_readonly("block_size", &KvEvent::block_size)
+      .def_readonly("lora_name", &KvEvent::lora_name)
+      .def_readonly("cache_salt", &KvEvent::cache_salt)
       .def_property_readonly("medium",
                              [](const KvEvent& e) -> py::object {
                                const char* name = medium_name(e.medium);

@@ -1,6 +1,7 @@
 // The atom_sched._core module: exception types, block_hash, and the registration of every binding
 // file (bind_*.cc).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <optional>
@@ -67,6 +68,14 @@ PYBIND11_MODULE(_core, m) {
   m.def("block_hash", &block_hash_py, py::arg("token_ids"), py::arg("parent") = py::none(),
         "ATOM's chained KV-block hash: xxHash64 (seed 0) over the parent hash as 8 little-endian\n"
         "bytes (if given), then each token id as a little-endian int64.");
+  m.def(
+      "hash_namespace",
+      [](const std::string& lora_name, const std::string& cache_salt) {
+        return atom_sched::hash_namespace(lora_name, cache_salt);
+      },
+      py::kw_only(), py::arg("lora_name") = "", py::arg("cache_salt") = "",
+      "The parent of block 0's hash for a request with these extra keys (SamplingParams'\n"
+      "lora_name and cache_salt), or None for neither: block_hash(block0, hash_namespace(...)).");
   atom_sched::bind_config(m);
   atom_sched::bind_scheduler(m);
   atom_sched::bind_device(m);

@@ -167,7 +167,8 @@ void BlockPool::free(std::span<const int32_t> table) {
 }
 
 void BlockPool::publish(std::span<const int32_t> table, std::span<const uint64_t> hashes,
-                        std::span<const int32_t> tokens, int32_t first_block, int32_t end_block) {
+                        std::span<const int32_t> tokens, int32_t first_block, int32_t end_block,
+                        std::string_view lora_name, std::string_view cache_salt) {
   if (!prefix_caching_) return;
   KvEvent* run = nullptr;  // the BlockStored being extended, while blocks register back to back
   for (int32_t i = first_block; i < end_block; ++i) {
@@ -192,6 +193,8 @@ void BlockPool::publish(std::span<const int32_t> table, std::span<const uint64_t
       run->kind = KvEventKind::kBlockStored;
       run->block_size = block_size_;
       run->medium = Medium::kGpu;
+      run->lora_name = lora_name;
+      run->cache_salt = cache_salt;
       if (i > 0) run->parent_block_hash = hashes[i - 1];
     }
     run->block_hashes.push_back(h);

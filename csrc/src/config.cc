@@ -69,6 +69,12 @@ void SamplingParams::validate() const {
   require(seed >= -1, "seed must be >= 0, or -1 for none" + got(int64_t{seed}));
   for (int32_t t : stop_token_ids)
     require(t >= 0, "stop_token_ids must be >= 0" + got(int64_t{t}));
+  require(cache_salt.size() <= kMaxExtraKeyBytes,
+          "cache_salt must be at most " + std::to_string(kMaxExtraKeyBytes) + " bytes" +
+              got(static_cast<int64_t>(cache_salt.size())));
+  require(lora_name.size() <= kMaxExtraKeyBytes,
+          "lora_name must be at most " + std::to_string(kMaxExtraKeyBytes) + " bytes" +
+              got(static_cast<int64_t>(lora_name.size())));
   for (const auto& seq : stop_token_sequences) {
     require(!seq.empty(), "stop_token_sequences must not contain an empty sequence");
     for (int32_t t : seq)

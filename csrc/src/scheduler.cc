@@ -232,6 +232,9 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.ignore_eos = params.ignore_eos;
   r.arrival_time = arrival_time;
   r.priority = params.priority;
+  r.lora_name = params.lora_name;
+  r.cache_salt = params.cache_salt;
+  r.hash_namespace = hash_namespace(params.lora_name, params.cache_salt);
   r.arrival_seq = next_arrival_seq_++;
   // Reserve for the request's whole life once, so decode steps never reallocate.
   const int64_t most_tokens =
@@ -367,8 +370,7 @@ void Scheduler::ensure_block_hashes(Request& r, int32_t num_blocks) {
   // Hashes depend only on tokens, which never change once known: compute each block's once.
   const int32_t bs = config_.block_size;
   for (int32_t i = static_cast<int32_t>(r.block_hashes.size()); i < num_blocks; ++i) {
-    std::optional<uint64_t> parent;
-    if (i > 0) parent = r.block_hashes[i - 1];
+    const std::optional<uint64_t> parent = i > 0 ? r.block_hashes[i - 1] : r.hash_namespace;
     r.block_hashes.push_back(
         block_hash(std::span<const int32_t>(r.tokens.data() + static_cast<size_t>(i) * bs, bs),
                    parent));

@@ -61,7 +61,8 @@ void Scheduler::validate_outputs(const Batch& b, const ModelOutputs& out) const 
 
 void Scheduler::publish_blocks(Request& r, int32_t end) {
   ensure_block_hashes(r, end);
-  pool_.publish(r.block_table, r.block_hashes, r.tokens, r.blocks_published, end);
+  pool_.publish(r.block_table, r.block_hashes, r.tokens, r.blocks_published, end, r.lora_name,
+                r.cache_salt);
   r.blocks_published = end;
 }
 

@@ -169,6 +169,22 @@ uint64_t Xxhash64State::digest() const noexcept {
   return finish(h, buf_, buf_len_);
 }
 
+std::optional<uint64_t> hash_namespace(std::string_view lora_name,
+                                       std::string_view cache_salt) noexcept {
+  if (lora_name.empty() && cache_salt.empty()) return std::nullopt;
+  static constexpr char kTag[] = "atom_sched/extra-keys/v1";
+  Xxhash64State h(0);
+  h.update(kTag, sizeof(kTag) - 1);
+  for (std::string_view s : {lora_name, cache_salt}) {
+    const uint64_t n = s.size();
+    unsigned char len[8];
+    for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
+    h.update(len, sizeof(len));
+    h.update(s.data(), s.size());
+  }
+  return h.digest();
+}
+
 uint64_t block_hash(std::span<const int32_t> tokens, std::optional<uint64_t> parent) noexcept {
   const int32_t* t = tokens.data();
   if (parent.has_value()) {

@@ -414,6 +414,55 @@ TEST(SchedulerTest, PrefixCacheHitsAfterTheOutputsArriveAndNeverOnTheLastBlock) 
   EXPECT_EQ(s4->ncached, V{0});
 }
 
+// Extra keys (vLLM's cache_salt and LoRA): bs 4, events on, P = [100..112) (3 blocks).
+// Requests share cached blocks only under the same keys; block 0's parent is the keys'
+// namespace, so the whole chain differs. Each admission runs alone (prefill, update).
+TEST(SchedulerTest, ExtraKeysKeepTenantsApartInThePrefixCache) {
+  SchedulerConfig c = Cfg(64);
+  c.enable_kv_events = true;
+  H h(c);
+  const V p = Seq(100, 12);
+  auto keyed = [](const std::string& lora, const std::string& salt) {
+    SamplingParams sp = P(1);
+    sp.lora_name = lora;
+    sp.cache_salt = salt;
+    return sp;
+  };
+  auto hit_tokens = [&](int64_t id, const SamplingParams& sp) {
+    h.add(id, p, sp);
+    auto b = h.sched();
+    EXPECT_TRUE(b.has_value());
+    if (!b) return -1;
+    h.upd(*b, {7});
+    return b->ncached[0];
+  };
+  EXPECT_EQ(hit_tokens(1, keyed("", "a")), 0);
+  const auto events = h.s.take_events();
+  ASSERT_EQ(events.size(), 1u);
+  const std::optional<uint64_t> ns = hash_namespace("", "a");
+  ASSERT_TRUE(ns.has_value());
+  std::vector<uint64_t> chain;
+  for (int32_t i = 0; i < 3; ++i)
+    chain.push_back(block_hash(std::span<const int32_t>(p).subspan(4 * i, 4),
+                               i == 0 ? ns : std::optional<uint64_t>(chain.back())));
+  EXPECT_EQ(events[0].block_hashes, chain);
+  EXPECT_EQ(events[0].parent_block_hash, std::nullopt) << "block 0 starts the sequence";
+  EXPECT_EQ(events[0].cache_salt, "a");
+  EXPECT_EQ(events[0].lora_name, "");
+  EXPECT_EQ(hit_tokens(2, keyed("", "b")), 0) << "another tenant's salt";
+  EXPECT_EQ(hit_tokens(3, keyed("", "a")), 8) << "the same salt shares (never the last block)";
+  EXPECT_EQ(hit_tokens(4, keyed("", "")), 0) << "no salt: ATOM's chain";
+  EXPECT_EQ(hit_tokens(5, keyed("x", "")), 0) << "a LoRA adapter";
+  EXPECT_EQ(h.s.take_events().back().lora_name, "x");
+  EXPECT_EQ(hit_tokens(6, keyed("x", "")), 8);
+  EXPECT_EQ(hit_tokens(7, keyed("x", "a")), 0) << "both keys";
+  EXPECT_EQ(hit_tokens(8, keyed("", "")), 8) << "the unkeyed prompt of request 4";
+  EXPECT_NE(hash_namespace("a", ""), hash_namespace("", "a")) << "the keys are not mixed up";
+  EXPECT_EQ(hash_namespace("", ""), std::nullopt);
+  SamplingParams long_salt = keyed("", std::string(kMaxExtraKeyBytes + 1, 's'));
+  EXPECT_THROW(long_salt.validate(), InvalidArgument);
+}
+
 // Decode-block caching (cache_decode_blocks), K = 2, bs 4, events on. A = [100..106), max 5.
 //   prefill: block 0 [100..104) published; A samples 10, drafts 11 12
 //   decode 1: [10 11 12] at pos 6..8; accepts 1 (55): A = ..., 10, 55 (R 8). Position 7 holds

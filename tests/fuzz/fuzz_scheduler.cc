@@ -115,6 +115,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           if (in.below(4) == 0) p.stop_token_sequences.push_back({in.below(12), in.below(12)});
           if (in.below(4) == 0) p.stop_token_ids.push_back(in.below(12));
           if (in.below(3) == 0) p.priority = in.below(5) - 2;  // refused under FCFS unless 0
+          if (in.below(5) == 0) p.cache_salt.assign(1, static_cast<char>('a' + in.below(2)));
+          if (in.below(5) == 0) p.lora_name.assign(1, static_cast<char>('x' + in.below(2)));
           const int64_t id = in.below(6) == 0 ? in.below(4) - 1 : next_id++;
           s.add_request(id, prompt, p, /*arrival_time=*/in.below(8));
           break;

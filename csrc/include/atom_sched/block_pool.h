@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "atom_sched/flat_hash_map.h"
@@ -86,9 +87,10 @@ class BlockPool {
   /// Registers blocks [first_block, end_block) of a request as computed: `hashes[i]` is the chain
   /// hash of block i, tokens[i*bs, (i+1)*bs) its content. A hash that is already cached (the same
   /// content computed twice) is not registered again and records no event. Records one BlockStored
-  /// per run of newly registered blocks.
+  /// per run of newly registered blocks, labelled with the extra keys the hashes were made under.
   void publish(std::span<const int32_t> table, std::span<const uint64_t> hashes,
-               std::span<const int32_t> tokens, int32_t first_block, int32_t end_block);
+               std::span<const int32_t> tokens, int32_t first_block, int32_t end_block,
+               std::string_view lora_name = {}, std::string_view cache_salt = {});
 
   /// Takes a free state slot (the most recently released one), or returns -1 if none is free.
   int32_t take_state_slot();

@@ -2,12 +2,16 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace atom_sched {
 
 /// The most speculative (draft) tokens per request per step that the scheduler supports.
 inline constexpr int32_t kMaxSpeculativeTokens = 8;
+
+/// The longest SamplingParams::cache_salt and lora_name, in bytes.
+inline constexpr size_t kMaxExtraKeyBytes = 256;
 
 /// What one step holds.
 enum class BatchPolicy : uint8_t {
@@ -66,6 +70,10 @@ struct SamplingParams {
   bool logprobs = false;     // stream the sampled tokens' log-probabilities
   int64_t seed = -1;         // the sampler's seed for this request; -1: the engine chooses
   int32_t priority = 0;      // scheduling=kPriority only: smaller is served first (vLLM's)
+  // vLLM's extra keys of the block hashes: requests share cached blocks only when both are equal
+  // (tenants with different salts, or different LoRA adapters, never share a block). Empty: none.
+  std::string cache_salt;
+  std::string lora_name;
   std::vector<int32_t> stop_token_ids;                // per-request stop tokens
   std::vector<std::vector<int32_t>> stop_token_sequences;  // stop when generated tokens end so
 

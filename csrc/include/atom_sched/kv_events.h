@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace atom_sched {
@@ -22,6 +23,11 @@ struct KvEvent {
   std::vector<int32_t> token_ids;              // Stored: the tokens of all the blocks, in order
   int32_t block_size = 0;                      // Stored
   Medium medium = Medium::kGpu;
+  // Stored: the extra keys the blocks were hashed under (SamplingParams; empty: none). The salt
+  // is an extra key of a sequence's first block only: of this event's first block when
+  // parent_block_hash is empty.
+  std::string lora_name;
+  std::string cache_salt;
 };
 
 }  // namespace atom_sched

@@ -10,6 +10,8 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "atom_sched/config.h"
@@ -65,6 +67,8 @@ struct alignas(64) Request {
   // Cold fields.
   std::vector<uint64_t> block_hashes; // chain hashes of the leading full blocks of `tokens`
   double arrival_time = 0.0;
+  std::optional<uint64_t> hash_namespace;  // parent of block 0 (hash_namespace() of the keys)
+  std::string lora_name, cache_salt;       // the extra keys, for KV events
   int32_t priority = 0;
   uint64_t arrival_seq = 0;  // add order: breaks (priority, arrival_time) ties
   FinishReason finish_reason = FinishReason::kNone;

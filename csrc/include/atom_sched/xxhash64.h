@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string_view>
 
 namespace atom_sched {
 
@@ -42,5 +43,11 @@ class Xxhash64State {
 // Block 0 of a sequence has no parent; block i uses block i-1's hash. Does not allocate.
 [[nodiscard]] uint64_t block_hash(std::span<const int32_t> tokens,
                                   std::optional<uint64_t> parent) noexcept;
+
+// The parent of block 0 for a request with extra keys (vLLM's: a LoRA adapter, a cache salt):
+// XXH64 over a domain tag and both strings, each preceded by its length, so every block of the
+// chain differs from the same tokens' under other keys. None when both are empty (ATOM's chain).
+[[nodiscard]] std::optional<uint64_t> hash_namespace(std::string_view lora_name,
+                                                     std::string_view cache_salt) noexcept;
 
 }  // namespace atom_sched
