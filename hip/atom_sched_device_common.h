@@ -93,12 +93,13 @@ ATOM_SCHED_HD int32_t row_errors(const Row& row, int32_t r, const PlanView& p,
 }
 
 /// A kRowHostInput row (errors already excluded): the slot's last token and drafts become the
-/// row's host tokens [last, d1..dK], as if a decode step had left them there.
+/// row's host tokens [last, d1..dq-1], as if a decode step had left them there; the drafts the
+/// row does not carry are missing (-1).
 ATOM_SCHED_HD void seed_decode_slot(const Row& row, const PlanView& p, const SlotState& s) {
   const int32_t* t = p.tokens + row.token_offset;
   s.last_token[row.slot] = t[0];
   for (int32_t j = 0; j < s.k; ++j)
-    s.drafts[static_cast<int64_t>(row.slot) * s.k + j] = j + 1 < row.q ? t[j + 1] : t[0];
+    s.drafts[static_cast<int64_t>(row.slot) * s.k + j] = j + 1 < row.q ? t[j + 1] : -1;
 }
 
 /// Index of the row whose tokens contain token t: the last r in [0, n) with qsl[r] <= t.
@@ -139,7 +140,10 @@ ATOM_SCHED_HD TokenOut token_out(const Row& row, int32_t j, int32_t seq_len, con
   } else if (j == 0) {
     o.input_id = s.last_token[row.slot];
   } else if (j <= s.k) {
-    o.input_id = s.drafts[static_cast<int64_t>(row.slot) * s.k + (j - 1)];
+    // A missing draft (-1: the drafter proposed fewer than K) is padded with the last token, a
+    // valid input id; accept_row never accepts it.
+    const int32_t d = s.drafts[static_cast<int64_t>(row.slot) * s.k + (j - 1)];
+    o.input_id = d >= 0 ? d : s.last_token[row.slot];
   } else {
     o.errors |= kErrDecodeWidth;
   }
@@ -202,6 +206,7 @@ ATOM_SCHED_HD void accept_row(const PlanView& p, int32_t r, const SlotState& s,
   int32_t a = 1;
   for (int32_t j = 0; j < kr; ++j) {
     const int32_t d = drafts[j];
+    if (d < 0) break;  // no draft here: the row's drafts end (variable-length drafts)
     bool ok;
     if (probabilistic) {
       const int64_t at = static_cast<int64_t>(r) * k + j;

@@ -2,7 +2,9 @@
 occurrence of the sequence's last n tokens (n from ``max_ngram`` down to ``min_ngram``).
 
 Cheap and model-free; it pays off when the answer repeats the prompt or itself (quoting, lists,
-code). With no match it proposes the last token repeated, which is simply rejected.
+code). It proposes only what it found: fewer than K drafts near the end of the history, none
+without a match, the rest -1 (the scheduler's variable-length drafts: the next step verifies,
+and reserves KV for, only those).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ class NgramDrafter:
         self.min_ngram = min_ngram
 
     def propose(self, history: np.ndarray) -> np.ndarray:
-        """``K`` draft tokens to follow ``history`` (1-D int array, prompt + generated)."""
+        """Up to ``K`` draft tokens to follow ``history`` (1-D int array, prompt + generated),
+        padded with -1 to K."""
         k = self.k
         h = np.asarray(history)
         L = h.shape[0]
@@ -34,7 +37,7 @@ class NgramDrafter:
             prop = h[start: start + k]
             if prop.size == 0:
                 continue
-            if prop.size < k:
-                prop = np.concatenate([prop, np.full(k - prop.size, prop[-1], dtype=h.dtype)])
-            return prop.astype(np.int32)
-        return np.full(k, h[-1] if L else 0, dtype=np.int32)
+            out = np.full(k, -1, dtype=np.int32)
+            out[: prop.size] = prop
+            return out
+        return np.full(k, -1, dtype=np.int32)

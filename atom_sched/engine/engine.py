@@ -323,9 +323,13 @@ class LLMEngine:
         self.cache.write_blocks(list(block_ids), data)
 
     def last_drafts(self, request_id: int) -> list[int]:
-        """The drafter's latest proposal for a request (empty without speculative decoding)."""
+        """The drafter's latest proposal for a request: the drafts it proposed, without the -1
+        padding (empty without speculative decoding)."""
         req = self._requests.get(request_id)
-        return list(req.drafts) if req is not None else []
+        if req is None:
+            return []
+        drafts = list(req.drafts)
+        return drafts[: drafts.index(-1)] if -1 in drafts else drafts
 
     def _poll_kv_transfers(self, idle: bool) -> tuple[bool, list[StreamEvent]]:
         """Let the connector move KV; report finished transfers to the scheduler; end requests

@@ -250,6 +250,7 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.block_hashes.clear();
   r.block_hashes.reserve(table_width_);
   r.drafts.assign(k_, -1);
+  r.num_drafts = 0;
   r.stop_token_ids = config_.stop_token_ids;
   r.stop_token_ids.insert(r.stop_token_ids.end(), params.stop_token_ids.begin(),
                           params.stop_token_ids.end());
@@ -566,7 +567,11 @@ int32_t Scheduler::decode_row_tokens(const Request& r) const {
   // Every position < max_model_len (a model's rotary table has that many rows) and inside the
   // pool: drafts past the limit are not scheduled (as vLLM). S is an upper bound one step ahead,
   // so the device's exact positions are below the limit too.
-  return std::clamp(position_limit_ - r.num_computed_tokens, 0, k_ + 1);
+  const int32_t n = std::clamp(position_limit_ - r.num_computed_tokens, 0, k_ + 1);
+  // With its drafts known (nothing in flight), a row verifies only those the drafter proposed,
+  // and reserves KV for them only. One step ahead they are not known yet: K+1, an upper bound
+  // (the device pads missing drafts and never accepts them).
+  return r.num_inflight == 0 ? std::min(n, r.num_drafts + 1) : n;
 }
 
 int32_t Scheduler::preemption_victim() const {
@@ -658,6 +663,7 @@ void Scheduler::preempt(int32_t slot) {
   r.num_computed_tokens = 0;
   r.prefill_target = 0;
   std::fill(r.drafts.begin(), r.drafts.end(), -1);
+  r.num_drafts = 0;
   r.status = RequestStatus::kWaiting;
   r.preempted = true;
   enqueue(waiting_, slot, /*preempted=*/true);

@@ -1,5 +1,6 @@
 // The scheduler's KV-connector side: the views a connector sees, transfer reports, and the move
 // of a remotely prefilled request into the decode set.
+#include <algorithm>
 #include <string>
 #include <unordered_set>
 
@@ -113,9 +114,9 @@ void Scheduler::start_remote_decode(int32_t slot) {
     // streams it and finishes, whatever the row sampled.
     r.pending_stop = stop_reason(r, r.pending_stop_token);
   }
-  for (int32_t j = 0; j < k_; ++j)
-    r.drafts[j] = j < static_cast<int32_t>(r.remote_drafts.size()) ? r.remote_drafts[j]
-                                                                   : r.tokens.back();
+  // The producer's drafts (as many as it proposed, at most K); the rest are missing.
+  r.num_drafts = std::min(k_, static_cast<int32_t>(r.remote_drafts.size()));
+  for (int32_t j = 0; j < k_; ++j) r.drafts[j] = j < r.num_drafts ? r.remote_drafts[j] : -1;
   // Without T0 the first decode re-forwards the last prompt token, whose KV already exists.
   r.num_computed_tokens = r.num_tokens() - 1;
   // T0 already ends it and its position would reach the limit (a prompt of max_model_len tokens,

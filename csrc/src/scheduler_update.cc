@@ -44,11 +44,19 @@ void Scheduler::validate_outputs(const Batch& b, const ModelOutputs& out) const 
                             " is outside 1.." + std::to_string(max_accepted));
     if (!b.emits_token[i]) continue;
     // The drafts an emitting row stores are next step's input tokens: checked as prompt tokens.
+    // Fewer than K are a prefix padded with -1 (none: all -1).
+    bool missing = false;
     for (int32_t j = 0; j < k_; ++j) {
       const int32_t d = out.draft_token_ids[i * k_ + j];
-      if (d < 0)
-        throw InvalidArgument("draft token [" + std::to_string(i) + ", " + std::to_string(j) +
-                              "] is negative (" + std::to_string(d) + ")");
+      if (d < -1 || (d >= 0 && missing)) {
+        const std::string at =
+            "draft token [" + std::to_string(i) + ", " + std::to_string(j) + "]";
+        throw InvalidArgument(d < -1 ? at + " is negative (" + std::to_string(d) +
+                                           "); -1 pads a row with fewer than K drafts"
+                                     : at + " follows a missing draft (-1): a row's drafts are "
+                                            "a prefix, padded with -1");
+      }
+      missing = missing || d == -1;
     }
     for (int32_t j = 0; j < a; ++j) {
       const int32_t t = out.sampled_token_ids[i * width + j];
@@ -132,8 +140,11 @@ void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs
       ++stats_.acceptance_counts[accepted - 1];
     }
   }
-  if (k_ > 0 && running)
-    std::copy_n(out.draft_token_ids.begin() + static_cast<size_t>(row) * k_, k_, r.drafts.begin());
+  if (k_ > 0 && running) {
+    const int32_t* d = out.draft_token_ids.data() + static_cast<size_t>(row) * k_;
+    std::copy_n(d, k_, r.drafts.begin());
+    r.num_drafts = static_cast<int32_t>(std::find(d, d + k_, -1) - d);
+  }
 
   // Append the accepted tokens one by one; the earliest stop wins and later tokens are dropped.
   // Tokens known but not streamed yet (a remote prefill's first token) go out with them.

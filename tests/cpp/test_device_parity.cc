@@ -499,9 +499,12 @@ class Driver {
         if (j < a - 1 && !c_.probabilistic) t = ref_->drafts.v[static_cast<size_t>(slot) * K + j];
         target[static_cast<size_t>(i) * (K + 1) + j] = t;
       }
+      // Sometimes fewer than K drafts (a prefix, padded with -1): the next step's rows read the
+      // missing ones padded, and accept never accepts them.
+      const int32_t proposed = chance(3) ? uni(0, K) : K;
       for (int32_t j = 0; j < K; ++j) {
         const size_t at = static_cast<size_t>(i) * K + j;
-        next[at] = uni(10, 5000);
+        next[at] = j < proposed ? uni(10, 5000) : -1;
         dp[at] = static_cast<float>(uni(1, 100)) / 100.0f;
         un[at] = static_cast<float>(uni(0, 99)) / 100.0f;
         tp[at] = j < a - 1 ? un[at] * dp[at] + 0.01f : un[at] * dp[at] * 0.5f;

@@ -235,6 +235,43 @@ TEST(DeviceRef, WorkedExampleMixedRowsWithPadding) {
   EXPECT_EQ(b.drafts[0], 83);
 }
 
+// Variable-length drafts: slot 0 holds one draft (51, then -1 -1). A row of K+1 = 4 tokens (one
+// step ahead the host reserves K+1) reads the missing drafts as the last token (a valid id), and
+// accept never accepts them, greedy or probabilistic, even where the target agrees.
+TEST(DeviceRef, MissingDraftsArePaddedAndNeverAccepted) {
+  for (const bool probabilistic : {false, true}) {
+    SCOPED_TRACE(probabilistic ? "probabilistic" : "greedy");
+    Buffers b(/*slots=*/1, /*width=*/4, /*k=*/3, /*block_size=*/4, /*max_rows=*/1,
+              /*max_tokens=*/4);
+    b.computed[0] = 5;
+    b.last[0] = 50;
+    b.drafts = {51, -1, -1};
+    b.table[0] = 3;
+    b.table[1] = 4;
+    b.table[2] = 5;
+    const std::vector<int32_t> plan = pack({RowSpec{.slot = 0, .q = 4}});
+    ASSERT_TRUE(prepare_ref(b.use(plan), b.state, b.out, 1, 4, nullptr).ok());
+    EXPECT_EQ(std::vector<int32_t>(b.input_ids.begin(), b.input_ids.begin() + 4),
+              (std::vector<int32_t>{50, 51, 50, 50}));
+    EXPECT_EQ(b.errors[0], 0);
+    // The target agrees with draft 51 and with the padding: only 51 may be accepted.
+    std::vector<int32_t> target = {51, 50, 50, 60};
+    std::vector<float> ones(3, 1.0f), zeros(3, 0.0f);
+    AcceptInputs in{target.data(), nullptr, nullptr, nullptr, nullptr};
+    if (probabilistic) {  // u * p_draft = 0 < p_target = 1: every draft would pass
+      in.target_probs = ones.data();
+      in.draft_probs = ones.data();
+      in.uniform = zeros.data();
+    }
+    ASSERT_TRUE(accept_ref(b.use(plan), b.state, in, b.result.data(), 1, nullptr).ok());
+    const std::vector<int32_t> res(b.result.begin(), b.result.begin() + result_words(1, 3));
+    // (No next drafts given: their rows stay as they were, for store_drafts.)
+    EXPECT_EQ(res, (std::vector<int32_t>{1, 0, 3, 0, 51, 50, -1, -1, 2, 7777, 7777, 7777}));
+    EXPECT_EQ(b.computed[0], 7) << "9 - (4 - 2): the padded positions are rolled back";
+    EXPECT_EQ(b.last[0], 50);
+  }
+}
+
 // ---- Random steps against the shadow model ------------------------------------------------------
 
 struct ShadowSlot {

@@ -415,7 +415,8 @@ TEST(SchedulerContractTest, NegativeDraftIdsAreRefusedAndChangeNothing) {
   h.add(0, {1, 2, 3}, P());
   auto b = h.sched();
   ASSERT_TRUE(b);
-  for (const V& drafts : {V{-7, 5}, V{5, -2147483647 - 1}, V{-1, -1}}) {
+  // (-1 pads a row with fewer drafts: [-1, -1] is valid, a draft after a -1 is not.)
+  for (const V& drafts : {V{-7, 5}, V{5, -2147483647 - 1}, V{-1, 4}}) {
     ModelOutputs o;
     const V sampled{5, 0, 0};
     o.sampled_token_ids = sampled;

@@ -410,5 +410,46 @@ TEST(SchedulerTest, MixedBatchDecodesBeforeAdmittingAndPreemptsAsAtom) {
   EXPECT_EQ(h.s.stats().num_preemptions, 1);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Variable-length drafts
+// ---------------------------------------------------------------------------------------------
+
+// K = 3, bs 4, A = [100..106). Drafts known when a row is scheduled (synchronous) decide its
+// width, and so the KV it reserves:
+//   prefill: A samples 10, drafts [11, -1, -1]      -> decode 1: [10 11] at pos 6, 7 (2 tokens)
+//   decode 1 accepts 2 (11 12), drafts [-1 -1 -1]    -> decode 2: [12] at pos 8 (no drafts)
+//   decode 2 accepts 1 (13), drafts [14 15 16]       -> decode 3: [13 14 15 16] at pos 9..12
+TEST(SchedulerTest, RowsVerifyOnlyTheDraftsProposed) {
+  H h(SpecCfg(32, 3));
+  h.add(1, Seq(100, 6));
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  h.upd(*s1, {10, 0, 0, 0}, {1}, {11, -1, -1});
+  auto s2 = h.sched();
+  ASSERT_TRUE(s2);
+  EXPECT_EQ(s2->tokens, (V{10, 11}));
+  EXPECT_EQ(s2->positions, (V64{6, 7}));
+  EXPECT_EQ(s2->drafts, (V{11, -1, -1}));
+  EXPECT_EQ(h.s.request(1).block_table.size(), 2u) << "KV for 8 positions, not 9";
+  ModelOutputs too_many;  // a row of 2 tokens accepts at most 2
+  const V sampled = {11, 12, 0, 0}, acc3 = {3}, none = {-1, -1, -1};
+  too_many.sampled_token_ids = sampled;
+  too_many.num_accepted = acc3;
+  too_many.draft_token_ids = none;
+  EXPECT_THROW(h.s.update(s2->id, too_many), InvalidArgument);
+  h.upd(*s2, sampled, {2}, none);
+  auto s3 = h.sched();
+  ASSERT_TRUE(s3);
+  EXPECT_EQ(s3->tokens, V{12});
+  EXPECT_EQ(s3->positions, V64{8});
+  EXPECT_EQ(s3->drafts, (V{-1, -1, -1}));
+  h.upd(*s3, {13, 0, 0, 0}, {1}, {14, 15, 16});
+  auto s4 = h.sched();
+  ASSERT_TRUE(s4);
+  EXPECT_EQ(s4->tokens, (V{13, 14, 15, 16}));
+  EXPECT_EQ(s4->positions, (V64{9, 10, 11, 12}));
+  EXPECT_EQ(h.s.stats().num_draft_tokens, 1 + 0) << "verified so far: decodes 1 and 2";
+}
+
 }  // namespace
 }  // namespace atom_sched

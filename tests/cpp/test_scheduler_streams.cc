@@ -187,7 +187,9 @@ void RandomStream(uint32_t seed, bool check_plan) {
         for (int32_t j = 0; j < w; ++j) sampled.push_back(rng() % 12 == 0 ? 2 : pick(4, 40));
         if (k > 0) {
           acc.push_back(b.prefill_rows[r] ? 1 : pick(1, b.nsched[r]));  // K+1, fewer near limit
-          for (int32_t j = 0; j < k; ++j) drafts.push_back(pick(4, 40));
+          // Sometimes fewer than K drafts: a prefix, padded with -1.
+          const int32_t proposed = rng() % 3 == 0 ? pick(0, k) : k;
+          for (int32_t j = 0; j < k; ++j) drafts.push_back(j < proposed ? pick(4, 40) : -1);
         }
       }
       const Outs o = h.upd(b, sampled, acc, drafts);

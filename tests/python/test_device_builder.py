@@ -89,16 +89,20 @@ def test_probabilistic_verification_drives_the_scheduler(k: int) -> None:
 
 
 @pytest.mark.parametrize("name", ["chunked_prefix", "mixed_chunked_prefix"])
-@pytest.mark.parametrize("k", [0, 2, 5])
-def test_one_step_ahead_builds_the_same_inputs_as_synchronous(k: int, name: str) -> None:
+@pytest.mark.parametrize("k, variable_drafts",
+                         [(0, False), (2, False), (5, False), (2, True), (5, True)])
+def test_one_step_ahead_builds_the_same_inputs_as_synchronous(k: int, name: str,
+                                                               variable_drafts: bool) -> None:
     """One step ahead, the host knows neither the in-flight tokens nor (K > 0) the lengths; the
     device does. Every input the device builds, per request and position, and every streamed
-    token must be those of the synchronous run."""
+    token must be those of the synchronous run: with variable-length drafts too (synchronous rows
+    are as wide as the drafts proposed, one step ahead K+1 with the missing drafts padded)."""
     kw, n, shared = CONFIGS[name]
     cfg = SchedulerConfig(num_speculative_tokens=k, eos_token_id=1, **kw)
     ps = prompts(n, seed=11 + k, shared=shared)
-    sync, _ = run_builder(cfg, ps, SpecModel(k, seed=9))
-    ahead, _ = run_builder(cfg, ps, SpecModel(k, seed=9), mode="async")
+    sync, _ = run_builder(cfg, ps, SpecModel(k, seed=9, variable_drafts=variable_drafts))
+    ahead, _ = run_builder(cfg, ps, SpecModel(k, seed=9, variable_drafts=variable_drafts),
+                           mode="async")
     assert ahead.tokens == sync.tokens
     assert ahead.finished == sync.finished
     # The last input the device built at each position of a request's final sequence is that

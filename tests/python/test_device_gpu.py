@@ -164,10 +164,14 @@ def test_builder_on_gpu_drives_the_scheduler(k: int, mode: str, policy: str) -> 
     rng = np.random.default_rng(k)
     prompts = {rid: ([int(x) for x in rng.integers(10, 5000, size=int(rng.integers(1, 30)))],
                      None) for rid in range(16)}
-    log, builder = run_builder(cfg, prompts, SpecModel(k, seed=k), mode=mode, device=DEVICE,
-                               capture_sizes=(1, 2, 4, 8), cuda_graphs=not HIP_CPU)
-    cpu_log, ref = run_builder(cfg, prompts, SpecModel(k, seed=k), mode=mode, device="cpu",
-                               capture_sizes=(1, 2, 4, 8), kernels=False)
+    # Under the mixed policy the drafter also proposes fewer than K drafts (variable length).
+    variable = policy == "mixed"
+    log, builder = run_builder(cfg, prompts, SpecModel(k, seed=k, variable_drafts=variable),
+                               mode=mode, device=DEVICE, capture_sizes=(1, 2, 4, 8),
+                               cuda_graphs=not HIP_CPU)
+    cpu_log, ref = run_builder(cfg, prompts, SpecModel(k, seed=k, variable_drafts=variable),
+                               mode=mode, device="cpu", capture_sizes=(1, 2, 4, 8),
+                               kernels=False)
     assert builder.runs_kernels and not ref.runs_kernels
     assert log.tokens == cpu_log.tokens and log.finished == cpu_log.finished
     assert (log.mixed_steps > 0) == (policy == "mixed")

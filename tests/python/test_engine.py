@@ -229,16 +229,16 @@ def test_rejected_prompt_is_reported(tiny):
 
 def test_ngram_drafter():
     d = NgramDrafter(k=3, max_ngram=3, min_ngram=1)
-    # "5 6 7" occurred before, followed by "8 9": propose 8 9, padded with the last one.
+    # "5 6 7" occurred before, followed by "8 9 2": propose them.
     assert d.propose(np.array([1, 5, 6, 7, 8, 9, 2, 5, 6, 7])).tolist() == [8, 9, 2]
     # The most recent occurrence wins.
     assert d.propose(np.array([4, 1, 2, 4, 3, 3, 3, 4])).tolist() == [3, 3, 3]
-    # Near the end the proposal is padded with its last token.
     assert d.propose(np.array([1, 2, 3, 9, 1, 2, 3])).tolist() == [9, 1, 2]
-    assert d.propose(np.array([3, 9, 3])).tolist() == [9, 3, 3]
-    # No match: the last token repeated.
-    assert d.propose(np.array([1, 2, 3])).tolist() == [3, 3, 3]
-    assert d.propose(np.array([5])).tolist() == [5, 5, 5]
+    # Near the end of the history fewer are found: the rest are -1 (variable-length drafts).
+    assert d.propose(np.array([3, 9, 3])).tolist() == [9, 3, -1]
+    # No match: no drafts.
+    assert d.propose(np.array([1, 2, 3])).tolist() == [-1, -1, -1]
+    assert d.propose(np.array([5])).tolist() == [-1, -1, -1]
 
 
 def test_sampler_filters_and_seeds():

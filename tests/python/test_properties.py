@@ -64,6 +64,7 @@ class Scenario:
     accept: int | None
     veto_every: int  # 0: never; n: allow_prefill=False on every n-th iteration
     reset_at: int | None  # iteration at which reset_prefix_cache() is called
+    variable_drafts: bool = False  # the drafter proposes 0..K drafts (the rest -1)
 
     def model(self) -> FakeModel:
         overrides: dict[tuple[int, int], int] = {}
@@ -77,7 +78,11 @@ class Scenario:
                 overrides[(r.rid, r.special_at + 1)] = STOP_SEQ[1]
         k = int(self.cfg["num_speculative_tokens"])
         accept = None if self.accept is None else min(self.accept, k + 1)
-        return FakeModel(k, seed=self.seed, overrides=overrides, accept=accept, logprobs=True)
+        seed = self.seed
+        drafts = ((lambda rid, g: mix(seed, rid, g, 9) % (k + 1)) if self.variable_drafts
+                  else None)
+        return FakeModel(k, seed=seed, overrides=overrides, accept=accept, logprobs=True,
+                         drafts=drafts)
 
 
 @st.composite
@@ -146,6 +151,7 @@ def scenarios(draw: Any, aborts: bool = True, vetoes: bool = False) -> Scenario:
         accept=draw(st.none() | st.integers(1, 4)),
         veto_every=draw(st.sampled_from([0, 2, 3])) if vetoes else 0,
         reset_at=draw(st.none() | st.integers(0, 30)),
+        variable_drafts=draw(st.booleans()),
     )
 
 

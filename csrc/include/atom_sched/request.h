@@ -54,13 +54,14 @@ struct alignas(64) Request {
   int32_t max_tokens = 0;
   int32_t min_tokens = 0;          // no EOS, stop token or sequence ends it before this many
   int32_t num_unstreamed = 0;      // trailing tokens known but not streamed yet (an injected T0)
+  int32_t num_drafts = 0;          // leading entries of `drafts` the drafter proposed (<= K)
   float temperature = 1.0f;
   int32_t top_k = -1;
   float top_p = 1.0f;
   int64_t seed = -1;
   std::vector<int32_t> tokens;        // R real tokens
   std::vector<int32_t> block_table;   // KV block ids
-  std::vector<int32_t> drafts;        // K drafts proposed with the last output (sync protocol)
+  std::vector<int32_t> drafts;        // K drafts proposed with the last output, -1 padded
   std::vector<int32_t> stop_token_ids;
   std::vector<std::vector<int32_t>> stop_sequences;
 

@@ -14,6 +14,7 @@ import pytest
 
 from atom_sched import NULL_BLOCK, Scheduler
 
+from .fake_model import num_valid
 from .oracle import cdiv, final_length
 
 PER_ROW_INT32 = (
@@ -180,6 +181,9 @@ class BatchChecks:
             # reach the limit; the drafts that were not scheduled read -1.
             c, w = rec.num_cached_tokens[i], rec.num_scheduled_tokens[i]
             want = min(k + 1, self.limit - c)
+            known = self.model.last_drafts.get(rec.req_ids[i])
+            if rec.row_exact[i] and known is not None:  # drafts known: only those proposed
+                want = min(want, 1 + num_valid(known))
             assert w >= 1 and w == want, ("decode row width", rec.req_ids[i], w, want, c)
             rest = [int(x) for x in rec.spec_draft_tokens[i, w - 1 :]]
             assert rest == [-1] * (k + 1 - w), ("unscheduled drafts", rec.req_ids[i], rest)

@@ -39,13 +39,16 @@ class SpecModel:
     streamed tokens are the same whatever the schedule (sync, one step ahead, preemptions):
     the request's g-th generated token is ``token(rid, g)``; after g tokens the drafter proposes
     ``draft(rid, g, j)``, which is ``token(rid, g + j)`` for the first ``accepted(rid, g) - 1``
-    drafts and a wrong token after; the target model's token at each position is the true one."""
+    drafts and a wrong token after; the target model's token at each position is the true one.
+    With ``variable_drafts`` the drafter proposes ``num_drafts(rid, g)`` of the K (the rest -1)."""
 
-    def __init__(self, k: int, seed: int = 0, eos_rate: int = 40, probabilistic: bool = False):
+    def __init__(self, k: int, seed: int = 0, eos_rate: int = 40, probabilistic: bool = False,
+                 variable_drafts: bool = False):
         self.k = k
         self.seed = seed
         self.eos_rate = eos_rate  # one token in eos_rate is EOS (0: never)
         self.probabilistic = probabilistic
+        self.variable_drafts = variable_drafts
         self.gen: dict[int, int] = defaultdict(int)
 
     def token(self, rid: int, g: int) -> int:
@@ -57,7 +60,12 @@ class SpecModel:
     def accepted(self, rid: int, g: int) -> int:
         return mix(self.seed, rid, g, 2) % (self.k + 1) + 1 if self.k else 1
 
+    def num_drafts(self, rid: int, g: int) -> int:
+        return mix(self.seed, rid, g, 8) % (self.k + 1) if self.variable_drafts else self.k
+
     def draft(self, rid: int, g: int, j: int) -> int:
+        if j >= self.num_drafts(rid, g):
+            return -1  # not proposed
         t = self.token(rid, g + j)
         return t if j < self.accepted(rid, g) - 1 else t + 7000  # + 7000: surely wrong
 
@@ -80,7 +88,8 @@ class SpecModel:
             # A decode row verifies its q - 1 drafts (q <= K+1; narrower near the position
             # limit or the pool's end): it accepts at most q tokens.
             q = int(batch.num_scheduled_tokens[i])
-            a = 1 if prefill_rows[i] else min(self.accepted(rid, g), q)
+            a = (1 if prefill_rows[i]
+                 else min(self.accepted(rid, g), q, 1 + self.num_drafts(rid, g)))
             # Inputs were [last, draft(rid, g, 0..k-1)]; the target's token at each position:
             target[i, :] = [self.token(rid, g + j) for j in range(k + 1)]
             if self.probabilistic and not prefill_rows[i]:

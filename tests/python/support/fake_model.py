@@ -41,6 +41,14 @@ def mix(*xs: int) -> int:
 
 
 
+def num_valid(drafts: list[int]) -> int:
+    """Leading drafts that were proposed (the rest of a row's K are -1)."""
+    n = 0
+    while n < len(drafts) and drafts[n] >= 0:
+        n += 1
+    return n
+
+
 class FakeModel:
     """Deterministic outputs keyed by (request id, tokens generated so far)."""
 
@@ -55,6 +63,7 @@ class FakeModel:
         logprobs: bool = False,
         two_d: bool = False,
         rejected_fill: int = -1,
+        drafts: Callable[[int, int], int] | None = None,
     ) -> None:
         self.k = k
         self.seed = seed
@@ -64,6 +73,9 @@ class FakeModel:
         self.logprobs = logprobs
         self.two_d = two_d  # K == 0: pass sampled tokens as (n, 1) instead of (n,)
         self.rejected_fill = rejected_fill
+        # How many drafts the drafter proposes after g tokens of request rid (0..K; None: K):
+        # the rest of the row's K are -1 (variable-length drafts).
+        self.num_drafts = drafts
         self.gen: dict[int, int] = defaultdict(int)  # device-side generated count
         self.last_drafts: dict[int, list[int]] = {}
         self.calls = 0
@@ -121,14 +133,16 @@ class FakeModel:
             g = self.gen[rid]
             # A row near the position limit carries fewer than K+1 tokens: at most that many.
             a = (1 if rec.row_is_prefill[i]
-                 else min(self.accepted(rid, g), rec.num_scheduled_tokens[i]))
+                 else min(self.accepted(rid, g), rec.num_scheduled_tokens[i],
+                          1 + num_valid(self.last_drafts.get(rid, [0] * k))))
             for j in range(a):
                 sampled[i, j] = self.token(rid, g + j)
                 lps[i, j] = self.logprob(rid, g + j)
             acc[i] = a
             rec.accepted[i] = a
             self.gen[rid] = g + a
-            d = [self.draft(rid, g + a, j) for j in range(k)]
+            m = k if self.num_drafts is None else self.num_drafts(rid, g + a)
+            d = [self.draft(rid, g + a, j) if j < m else -1 for j in range(k)]
             drafts[i, :] = d
             self.last_drafts[rid] = d
         out: dict[str, Any] = {}
