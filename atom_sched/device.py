@@ -92,6 +92,9 @@ class DeviceInputs:
     block_table: torch.Tensor  # int32 [num_rows_padded, block_table_width]
     logits_indices: torch.Tensor  # int32 [num_rows_padded]: each row's last token
     spec_logits_indices: torch.Tensor  # int32 [num_rows_padded, K + 1]: tokens to verify
+    # int64 [rows that emit]: the rows whose logits are needed (a prefill chunk that does not
+    # finish its prompt samples nothing), for a runner that computes logits for those only.
+    sample_rows: torch.Tensor
 
     @property
     def context_lens(self) -> torch.Tensor:
@@ -498,6 +501,8 @@ class DeviceBatchBuilder:
             num_tokens_padded=tokens,
             max_seqlen_q=int(batch.max_seqlen_q),
             max_seqlen_k=int(batch.max_seqlen_k),
+            sample_rows=self._torch.from_numpy(np.flatnonzero(np.asarray(batch.emits_token)))
+            .to(self.device, non_blocking=True),
             **v,
         )
 

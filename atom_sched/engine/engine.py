@@ -403,7 +403,9 @@ class LLMEngine:
             _check_inputs(batch, inp)
         n = inp.num_rows
         spec = k > 0 and not inp.is_prefill
-        logit_idx = (inp.spec_logits_indices[:n] if spec else inp.logits_indices[:n, None])
+        # Logits only for the rows that emit: [m, K+1] (verification) or [m, 1].
+        rows = inp.sample_rows.numpy()
+        logit_idx = (inp.spec_logits_indices if spec else inp.logits_indices[:, None])[rows]
         model_inputs = ModelInputs(
             input_ids=inp.input_ids, positions=inp.positions, seq_lens=inp.seq_lens,
             query_start_loc=inp.query_start_loc, slot_mapping=inp.slot_mapping,
@@ -412,16 +414,19 @@ class LLMEngine:
         positions = inp.positions[logit_idx.long()].numpy()  # [n, 1] or [n, K+1]
         logits = self.model(model_inputs, self.cache)
         t2 = time.perf_counter()
-        temps = np.asarray(batch.temperatures)
+        temps = np.asarray(batch.temperatures)[rows]
         req_ids = np.asarray(batch.req_ids)
         if (temps > 0).any():
-            seeds = np.array([self._requests[int(r)].seed for r in req_ids], dtype=np.int64)
+            seeds = np.array([self._requests[int(r)].seed for r in req_ids[rows]],
+                             dtype=np.int64)
         else:
-            seeds = np.zeros(n, dtype=np.int64)
-        target = self.sampler(logits, positions, temps, np.asarray(batch.top_ks),
-                              np.asarray(batch.top_ps), seeds)
-        if k and target.shape[1] == 1:  # a prefill batch: one token per row, K+1 columns
-            target = np.repeat(target, k + 1, axis=1)
+            seeds = np.zeros(rows.size, dtype=np.int64)
+        sampled = self.sampler(logits, positions, temps, np.asarray(batch.top_ks)[rows],
+                               np.asarray(batch.top_ps)[rows], seeds)
+        # Back to one row per batch row, K+1 columns (a prefill row's one token repeated); rows
+        # that emit nothing keep 0, which accept() ignores.
+        target = np.zeros((n, k + 1), dtype=np.int64)
+        target[rows] = sampled if sampled.shape[1] == k + 1 else sampled[:, :1]
         t3 = time.perf_counter()
         result = self.builder.accept(batch, torch.from_numpy(target.astype(np.int32)))
         t4 = time.perf_counter()

@@ -163,6 +163,8 @@ def check_inputs_against_host(b: Any, x: Any, k: int, exact: bool) -> None:
         # Where the host has only upper bounds, the device is never above them.
         assert (seq[:n] <= b.context_lens).all()
     np.testing.assert_array_equal(table[:n], b.block_tables)
+    # The rows whose logits a runner needs: those that emit a token.
+    np.testing.assert_array_equal(_np(x.sample_rows), np.flatnonzero(np.asarray(b.emits_token)))
     cu = np.asarray(b.cu_seqlens_q)
     np.testing.assert_array_equal(logits[:n], cu[1:] - 1)
     # A decode row: each of its tokens, then its last one repeated (a row narrower than K+1
