@@ -29,6 +29,8 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     s.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
+    s.add_argument("--min-tokens", type=int, default=0,
+                   help="no end-of-sequence or stop token before this many tokens (default 0)")
     s.add_argument("--raw", action="store_true",
                    help="tokenize prompts as plain text instead of the chat template")
     e = g.add_argument_group("engine")
@@ -124,7 +126,7 @@ FLAG_OF_FIELD = {
     "max_num_batched_tokens": "--chunk-size", "block_size": "--block-size",
     "max_num_seqs": "--max-num-seqs", "num_speculative_tokens": "--spec",
     "max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k",
-    "top_p": "--top-p", "seed": "--seed",
+    "top_p": "--top-p", "seed": "--seed", "min_tokens": "--min-tokens",
 }
 INT32_MAX = 2**31 - 1
 
@@ -169,7 +171,7 @@ def check_args(args: argparse.Namespace) -> str | None:
                         max_model_len=args.max_model_len,
                         num_speculative_tokens=args.spec, policy=args.policy).validate()
         SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p)
+                       top_k=args.top_k, top_p=args.top_p, min_tokens=args.min_tokens)
     except (TypeError, ValueError) as e:
         return in_flags(str(e).splitlines()[0])
     return None
@@ -229,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     params = [GenerationParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=None if args.seed is None else args.seed + i, stop=args.stop,
-        ignore_eos=args.ignore_eos) for i in range(len(prompts))]
+        ignore_eos=args.ignore_eos, min_tokens=args.min_tokens) for i in range(len(prompts))]
     try:
         rids = [engine.add_request(p, sp, chat=not args.raw)
                 for p, sp in zip(prompts, params, strict=True)]

@@ -44,6 +44,7 @@ class GenerationParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     priority: int = 0  # EngineConfig.scheduling="priority" only: smaller is served first
+    min_tokens: int = 0  # EOS and stop ids are masked from the logits before this many tokens
 
 
 @dataclass
@@ -262,7 +263,7 @@ class LLMEngine:
                             ignore_eos=bool(params.ignore_eos),
                             stop_token_ids=[int(t) for t in params.stop_token_ids],
                             stop_token_sequences=self.stop_sequences(params.stop),
-                            priority=int(params.priority))
+                            priority=int(params.priority), min_tokens=int(params.min_tokens))
         self.scheduler.add_request(rid, ids, sp)
         hist = np.zeros(len(ids) + params.max_tokens + 8, dtype=np.int64)
         hist[: len(ids)] = ids
@@ -413,9 +414,10 @@ class LLMEngine:
             max_seqlen_q=inp.max_seqlen_q, max_seqlen_k=inp.max_seqlen_k)
         positions = inp.positions[logit_idx.long()].numpy()  # [n, 1] or [n, K+1]
         logits = self.model(model_inputs, self.cache)
+        req_ids = np.asarray(batch.req_ids)
+        self._mask_stops_before_min_tokens(logits, req_ids[rows], positions)
         t2 = time.perf_counter()
         temps = np.asarray(batch.temperatures)[rows]
-        req_ids = np.asarray(batch.req_ids)
         if (temps > 0).any():
             seeds = np.array([self._requests[int(r)].seed for r in req_ids[rows]],
                              dtype=np.int64)
@@ -465,6 +467,24 @@ class LLMEngine:
             tm.decode_rows += int(decode_rows.sum())
             tm.decode_tokens += int(acc[:n][decode_rows].sum())
         return _InFlight(batch, result)
+
+    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, rids: np.ndarray,
+                                      positions: np.ndarray) -> None:
+        """vLLM's min_tokens: a token sampled before the request has ``min_tokens`` generated
+        tokens cannot be EOS or a stop id (the scheduler would not stop there either, and the
+        model would otherwise keep choosing them). ``logits`` ``[len(rids) * n, V]``, row i*n+j
+        sampled at ``positions[i, j]``."""
+        n = positions.shape[1]
+        for i, rid in enumerate(rids):
+            req = self._requests.get(int(rid))
+            if req is None or req.params.min_tokens <= 0:
+                continue
+            stops = [t for t in (self.eos_token_id, *req.params.stop_token_ids) if t >= 0]
+            for j in range(n):
+                generated = int(positions[i, j]) + 1 - len(req.prompt)  # index of this token
+                if generated < req.params.min_tokens:
+                    with torch.inference_mode():  # the model's logits are inference tensors
+                        logits[i * n + j, stops] = float("-inf")
 
     def _deliver(self, f: _InFlight) -> list[StreamEvent]:
         tm = self.timings

@@ -21,11 +21,13 @@ TIE_TOL = 1e-3
 
 
 @torch.inference_mode()
-def hf_generate(hf: Any, prompt: list[int], max_new_tokens: int, eos_token_id: int) -> list[int]:
+def hf_generate(hf: Any, prompt: list[int], max_new_tokens: int, eos_token_id: int,
+                min_new_tokens: int = 0) -> list[int]:
     """transformers' greedy ``generate`` for one prompt (no padding); the new tokens only, the
-    EOS token included when it stopped there."""
+    EOS token included when it stopped there. ``min_new_tokens``: EOS is masked before."""
     ids = torch.tensor([prompt], dtype=torch.long)
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                      min_new_tokens=min_new_tokens or None,
                       do_sample=False, temperature=None, top_p=None, top_k=None,
                       eos_token_id=eos_token_id, pad_token_id=eos_token_id)
     return [int(t) for t in out[0, len(prompt):]]

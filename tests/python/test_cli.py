@@ -37,6 +37,7 @@ BAD_GENERATE = [
     (["--check", "--temperature", "0.5"], "--check"),
     (["--top-p", "0"], "--top-p"),
     (["--seed", "-3"], "--seed"),
+    (["--min-tokens", "200", "--max-tokens", "20"], "--min-tokens"),
 ]
 
 

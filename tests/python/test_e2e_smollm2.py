@@ -174,6 +174,22 @@ def test_streaming_and_stop_strings(smollm2):
     assert pieces[colors.request_id] == colors.text
 
 
+@pytest.mark.parametrize("one_step_ahead, k", [(False, 0), (True, 2)])
+def test_min_tokens_masks_eos_as_transformers_does(smollm2, prompt_ids, reference,
+                                                   one_step_ahead, k):
+    """min_tokens past the natural answer: the engine masks EOS from the logits until then (as
+    transformers' min_new_tokens) and the scheduler ignores it; the tokens equal transformers'."""
+    ids, eos = prompt_ids
+    natural = reference[0]
+    assert natural[-1] == eos and len(natural) < MAX_NEW, "the answer ends with EOS"
+    n = len(natural) + 4
+    eng = _engine(smollm2, one_step_ahead, k)
+    out = eng.generate([ids[0]], GenerationParams(max_tokens=n + 6, min_tokens=n))[0]
+    want = hf_generate(smollm2[1], ids[0], n + 6, eos, min_new_tokens=n)
+    assert out.token_ids == want
+    assert eos not in out.token_ids[:n] and len(out.token_ids) >= n
+
+
 def test_seeded_sampling(smollm2, prompt_ids):
     ids, _ = prompt_ids
     params = [GenerationParams(max_tokens=12, temperature=0.8, top_k=50, top_p=0.95, seed=s)
