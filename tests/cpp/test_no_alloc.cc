@@ -45,7 +45,8 @@ struct Window {
 
 // Runs `steps` decode steps on `num_requests` prefilled requests and returns the number of heap
 // allocations made during the last `measured` of them.
-long allocations_in_decode(int32_t k, int32_t num_requests, int steps, int measured) {
+long allocations_in_decode(int32_t k, int32_t num_requests, int steps, int measured,
+                           BatchPolicy policy = BatchPolicy::kAtom) {
   SchedulerConfig cfg;
   cfg.num_blocks = 4096;
   cfg.block_size = 16;
@@ -54,6 +55,7 @@ long allocations_in_decode(int32_t k, int32_t num_requests, int steps, int measu
   cfg.max_model_len = 4096;
   cfg.num_speculative_tokens = k;
   cfg.eos_token_id = 0;
+  cfg.policy = policy;
   Scheduler s(cfg);
   SamplingParams p;
   p.max_tokens = 100000;
@@ -99,6 +101,14 @@ TEST(NoAllocTest, SteadyStateDecodeAllocatesNothing) {
 TEST(NoAllocTest, SteadyStateSpeculativeDecodeAllocatesNothing) {
   EXPECT_EQ(allocations_in_decode(/*k=*/3, /*num_requests=*/64, /*steps=*/200, /*measured=*/100),
             0);
+}
+
+TEST(NoAllocTest, SteadyStateDecodeUnderTheMixedPolicyAllocatesNothing) {
+  for (int32_t k : {0, 3})
+    EXPECT_EQ(allocations_in_decode(k, /*num_requests=*/64, /*steps=*/200, /*measured=*/100,
+                                    BatchPolicy::kMixed),
+              0)
+        << "K = " << k;
 }
 
 TEST(NoAllocTest, CounterSeesAllocations) {

@@ -231,7 +231,8 @@ class Pair:
 
 MODES = [("sync", {}, {}), ("one-step-ahead", {}, {"one_step_ahead": True}),
          ("spec2-producer-drafts", {"num_speculative_tokens": 2},
-          {"num_speculative_tokens": 2, "one_step_ahead": True})]
+          {"num_speculative_tokens": 2, "one_step_ahead": True}),
+         ("mixed", {"policy": "mixed"}, {"policy": "mixed", "num_speculative_tokens": 2})]
 
 
 @pytest.mark.parametrize("name,prefill_kw,decode_kw", MODES, ids=[m[0] for m in MODES])
