@@ -322,9 +322,13 @@ class _DecodeRig:
         self.chunk = prefill_chunk
         self.rows = n + (1 if prefill_chunk else 0)
         w = k + 1
-        max_len = max(prompt_len + (steps + 4) * w + 2 * BLOCK_SIZE, 4 * prefill_chunk + 1)
-        max_len = -(-max_len // BLOCK_SIZE) * BLOCK_SIZE
         budget = n * w + prefill_chunk if prefill_chunk else max(n * w, 8192)
+        # Under the mixed policy requests already decode while the others are prefilled: the
+        # setup's steps (at least budget - n * w prompt tokens each) count too.
+        setup = n * prompt_len // max(budget - n * w, 1) + 2 if policy == "mixed" else 0
+        max_len = max(prompt_len + (steps + setup + 4) * w + 2 * BLOCK_SIZE,
+                      4 * prefill_chunk + 1)
+        max_len = -(-max_len // BLOCK_SIZE) * BLOCK_SIZE
         cfg = SchedulerConfig(num_blocks=1, block_size=BLOCK_SIZE, max_num_seqs=self.rows,
                               max_num_batched_tokens=budget, max_model_len=max_len,
                               num_speculative_tokens=k, policy=policy)
@@ -400,7 +404,10 @@ class _DecodeRig:
         """End-of-run checks; returns the tokens request 0 gained."""
         s, steps, w = self.s, self.steps_done, self.k + 1
         _require(s.stats()["num_steps"] - self.steps0 == steps, "scheduler step count is off")
-        _require(s.num_running == self.rows and s.num_waiting == (1 if self.chunk else 0),
+        # Every decode request is still running (with a prefill stream, one prompt runs or
+        # waits beside them).
+        _require(set(range(self.n)) <= set(s.running_ids())
+                 and (self.chunk or (s.num_running == self.n and s.num_waiting == 0)),
                  "requests left the running set")
         grown = s.request_state(0)["num_tokens"] - self.tokens0
         if self.k == 0:

@@ -59,3 +59,14 @@ def test_every_reported_figure_is_measured_in_the_run(tmp_path):
     data = json.loads(path.read_text())
     assert "loadavg" in data["meta"] and data["meta"]["quick"] is True
     assert set(data["results"][0]) >= {"median", "p10", "p90", "reps"}
+
+
+def test_mixed_workloads_run_and_verify_what_they_claim():
+    """The mixed-policy rows: requests decode while the setup still prefills others (the rig's
+    request lengths must allow for it), and with a prefill stream every timed step is n decode
+    rows plus one chunk, every decode request still running at the end (check mode)."""
+    plain = bench.decode_step(64, 150, 10, check=True, policy="mixed", prompt_len=64)
+    assert plain.key == "decode_64_mixed" and plain.info["rows"] == 64
+    mixed = bench.decode_step(64, 150, 10, check=True, policy="mixed", prefill_chunk=32)
+    assert mixed.key == "mixed_64_32" and mixed.budget is None
+    assert mixed.info["rows"] == 65 and mixed.info["tokens_per_step"] == 64 + 32
