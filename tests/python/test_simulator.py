@@ -117,6 +117,7 @@ def test_cli_compares_the_policies(tmp_path, capsys):
     (["--rate", "-1"], "--rate must be a positive number"),
     (["--load", "0"], "--load must be in (0, 10]"),
     (["--budget", "0"], "--budget must be >= 1"),
+    (["--max-model-len", "1"], "no chat conversation fits --max-model-len 1"),
 ])
 def test_cli_refuses_bad_arguments(argv, message, capsys, tmp_path):
     rc = main(["simulate", "--workload", "chat", "--out", str(tmp_path), *argv])
