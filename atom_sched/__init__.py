@@ -34,6 +34,7 @@ from ._core import (
     block_hash,
     hash_namespace,
 )
+from ._views import BatchViews
 from .device import AcceptResult, DeviceBatchBuilder, DeviceInputs
 
 __version__ = "0.1.0"
@@ -42,6 +43,7 @@ __all__ = [
     "NULL_BLOCK",
     "AcceptResult",
     "Batch",
+    "BatchViews",
     "ConnectorRequest",
     "DeviceBatchBuilder",
     "DeviceError",

@@ -7,6 +7,8 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from ._views import BatchViews
+
 _IntArray = Sequence[int] | npt.NDArray[np.integer]
 _FloatArray = Sequence[float] | npt.NDArray[np.floating]
 
@@ -208,6 +210,7 @@ class Batch:
     def state_slots(self) -> npt.NDArray[np.int32]: ...
     @property
     def row_is_prefill(self) -> npt.NDArray[np.bool_]: ...
+    def views(self) -> BatchViews: ...
     @property
     def emits_token(self) -> npt.NDArray[np.bool_]: ...
     @property

@@ -55,6 +55,7 @@ BUDGETS: dict[str, float] = {
     "mtp3_256": 30.0,  # µs per step
     "marginal_py": 20.0,  # ns per running request per step (the budget is set for the C++ core)
     "marginal_cpp": 20.0,  # ns per running request per step, C++ core
+    "fixed_py": 1.2,  # µs per step at 1 running: schedule + views() + update (issue 10)
 }
 
 
@@ -194,18 +195,14 @@ class _NoGC:
 
 
 def _touch(b: Any) -> int:
-    """What a model runner reads every step: the views it hands to attention and the sampler.
-
-    Each property builds a zero-copy numpy view; reading its last element makes sure it points at
-    real data. (Copying into staging buffers is measured separately: decode_1024_staged.)
+    """What a model runner reads every step: the views it hands to attention and the sampler,
+    through ``Batch.views()`` (one call; the views object is reused while the buffer's shape
+    holds). Reading each array's last element makes sure it points at real data. (Copying into
+    staging buffers is measured separately: decode_1024_staged.)
     """
-    p = b.positions
-    sm = b.slot_mapping
-    bt = b.block_tables
-    st = b.scheduled_tokens
-    cl = b.context_lens
-    cu = b.cu_seqlens_q
-    return int(p[-1]) + int(sm[-1]) + int(bt[-1, 0]) + int(st[-1]) + int(cl[-1]) + int(cu[-1])
+    v = b.views()
+    return (int(v.positions[-1]) + int(v.slot_mapping[-1]) + int(v.block_tables[-1, 0])
+            + int(v.scheduled_tokens[-1]) + int(v.context_lens[-1]) + int(v.cu_seqlens_q[-1]))
 
 
 class _Staging:
@@ -455,6 +452,34 @@ def decode_step(n: int, reps: int, warmup: int, *, k: int = 0, check: bool = Fal
                         "tokens_gained_by_request_0": grown,
                         "touch": "staging copies" if staged else "views + last element",
                         "cpu_share": rig.ng.cpu_share, "other_busy": rig.ng.other_busy})
+
+
+def fixed_cost(reps: int, warmup: int, *, check: bool = False) -> Result:
+    """The Python fixed cost of a step: a decode step with 1 running request, timed in blocks of
+    100 steps (so the clock's own cost is amortized): schedule(), views() and the six arrays a
+    runner hands to attention, update(). The core's own row work is tens of ns of it."""
+    rig = _DecodeRig(1, warmup + reps * 100, check=check)
+    rig.run(warmup)
+    s, sampled, block = rig.s, rig.sampled, 100
+    times = np.zeros(reps, np.int64)
+    clock = time.perf_counter_ns
+    with rig.ng:
+        for i in range(reps):
+            t0 = clock()
+            for _ in range(block):
+                b = s.schedule()
+                v = b.views()
+                v.positions, v.slot_mapping, v.block_tables  # noqa: B018 (what a runner reads)
+                v.scheduled_tokens, v.context_lens, v.cu_seqlens_q  # noqa: B018
+                s.update(b, sampled)
+            times[i] = (clock() - t0) // block
+    rig.steps_done += reps * block
+    grown = rig.verify()
+    med, p10, p90 = _summary(times)
+    return Result(key="fixed_py", name="fixed cost per step (1 running: schedule + views + "
+                  "update)", unit="µs/step", median=med, p10=p10, p90=p90, reps=reps,
+                  budget=BUDGETS["fixed_py"], checked=check,
+                  info={"rows": 1, "steps_per_sample": block, "tokens_gained": grown})
 
 
 def marginal_paired(pairs: int, chunk: int, warmup: int, *, check: bool = False,
@@ -787,6 +812,8 @@ def workloads(quick: bool = False, check: bool = False) -> list[Workload]:
     for n in DECODE_SIZES:
         out.append(Workload(f"decode_{n}", f"decode {n}",
                             lambda n=n: decode_step(n, r.decode[n], r.warmup, check=check)))
+    out.append(Workload("fixed_py", "fixed cost (1 running)",
+                        lambda: fixed_cost(r.decode[64], r.warmup, check=check)))
     out.append(Workload("decode_1024_mixed", "decode 1024, policy mixed",
                         lambda: decode_step(1024, r.decode[1024], r.warmup, check=check,
                                             policy="mixed")))
@@ -849,7 +876,8 @@ def format_table(results: list[Result]) -> str:
     rows = []
     for r in results:
         rows.append([
-            r.name, r.unit, _fmt(r.median), _fmt(r.p10), _fmt(r.p90), _fmt(r.budget, 0),
+            r.name, r.unit, _fmt(r.median), _fmt(r.p10), _fmt(r.p90),
+            _fmt(r.budget, 0 if (r.budget or 0) >= 10 else 1),
             "-" if r.ratio is None else f"{r.ratio:.2f}", r.status,
         ])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]

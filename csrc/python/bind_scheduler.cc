@@ -105,6 +105,47 @@ auto bool_row_array(std::vector<uint8_t> Batch::*field) {
   };
 }
 
+// Batch.views(): every array a model runner and sampler read, in one call. Built once per batch
+// buffer and shape, then returned again (the arrays point at the buffer, which each batch in it
+// rewrites): a steady step pays one call instead of a numpy object per array.
+py::object batch_views(const BatchView& v) {
+  const Batch& b = v.get();
+  SchedulerHandle& h = *v.owner;
+  const int32_t k = b.is_prefill ? 0 : b.num_spec_tokens;
+  BatchViewsCache* c = nullptr;
+  for (BatchViewsCache& e : h.views)
+    if (e.buffer == &b || (c == nullptr && e.buffer == nullptr)) c = &e;
+  if (c->buffer == &b && c->num_rows == b.num_rows && c->num_tokens == b.num_tokens &&
+      c->num_spec_tokens == k)
+    return c->views;
+  // The arrays' base owns the batch storage, which outlives the scheduler if they do.
+  auto* storage = new std::shared_ptr<const void>(h.core.batch_storage());
+  const py::capsule base(storage,
+                         [](void* p) { delete static_cast<std::shared_ptr<const void>*>(p); });
+  const py::ssize_t n = b.num_rows, t = b.num_tokens;
+  auto rows = [&](const auto& f) { return readonly_view(base, f.data(), {n}); };
+  auto flags = [&](const std::vector<uint8_t>& f) {
+    return readonly_view(base, reinterpret_cast<const bool*>(f.data()), {n});
+  };
+  auto tokens = [&](const auto& f) { return readonly_view(base, f.data(), {t}); };
+  const py::object cls = py::module_::import("atom_sched._views").attr("BatchViews");
+  py::object views = cls(
+      "req_ids"_a = rows(b.req_ids), "request_slots"_a = rows(b.request_slots),
+      "num_scheduled_tokens"_a = rows(b.num_scheduled_tokens),
+      "num_cached_tokens"_a = rows(b.num_cached_tokens), "context_lens"_a = rows(b.context_lens),
+      "cu_seqlens_q"_a = readonly_view(base, b.cu_seqlens_q.data(), {n + 1}),
+      "cu_seqlens_k"_a = readonly_view(base, b.cu_seqlens_k.data(), {n + 1}),
+      "scheduled_tokens"_a = tokens(b.scheduled_tokens), "positions"_a = tokens(b.positions),
+      "slot_mapping"_a = tokens(b.slot_mapping),
+      "block_tables"_a = readonly_view(base, b.block_tables.data(), {n, b.block_table_width}),
+      "spec_draft_tokens"_a = readonly_view(base, b.spec_draft_tokens.data(), {n, k}),
+      "temperatures"_a = rows(b.temperatures), "top_ks"_a = rows(b.top_ks),
+      "top_ps"_a = rows(b.top_ps), "seeds"_a = rows(b.seeds),
+      "row_is_prefill"_a = flags(b.row_is_prefill), "emits_token"_a = flags(b.emits_token));
+  *c = BatchViewsCache{&b, b.num_rows, b.num_tokens, k, views};
+  return views;
+}
+
 const char* status_name(RequestStatus s) {
   switch (s) {
     case RequestStatus::kWaiting: return "waiting";
@@ -449,6 +490,10 @@ void bind_scheduler(py::module_& m) {
                                return readonly_view(self, b.spec_draft_tokens.data(),
                                                     {b.num_rows, k});
                              })
+      .def("views", &batch_views,
+           "Every array a model runner and sampler read, as an atom_sched.BatchViews, in one "
+           "call. The same object is returned again while the buffer's batches keep its shape; "
+           "its arrays are borrowed like the attributes' (copy what you keep).")
       .def("__len__", [](const BatchView& v) { return v.get().num_rows; })
       .def("__repr__", [](const BatchView& v) {
         const Batch& b = v.get();

@@ -14,11 +14,21 @@
 
 namespace atom_sched {
 
+/// Batch.views()' result for one batch buffer, built once and returned again while the buffer's
+/// batches keep its shape. Its arrays' base owns the batch storage only (never this handle), so
+/// the cache makes no reference cycle: numpy arrays are not garbage-collector containers.
+struct BatchViewsCache {
+  const Batch* buffer = nullptr;
+  int32_t num_rows = -1, num_tokens = -1, num_spec_tokens = -1;
+  pybind11::object views;  // an atom_sched.BatchViews
+};
+
 struct SchedulerHandle {
   explicit SchedulerHandle(SchedulerConfig config) : core(std::move(config)) {}
   Scheduler core;
   std::mutex mu;
   pybind11::object connector;  // the Python KVConnector the core calls back into, or None
+  BatchViewsCache views[kMaxOutstandingBatches];  // guarded by the GIL
   // A KeyboardInterrupt or SystemExit a callback raised during a call whose result the engine
   // must not lose; the next call on this scheduler raises it. Guarded by the GIL.
   std::optional<pybind11::error_already_set> deferred_interrupt;

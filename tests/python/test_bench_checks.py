@@ -70,3 +70,9 @@ def test_mixed_workloads_run_and_verify_what_they_claim():
     mixed = bench.decode_step(64, 150, 10, check=True, policy="mixed", prefill_chunk=32)
     assert mixed.key == "mixed_64_32" and mixed.budget is None
     assert mixed.info["rows"] == 65 and mixed.info["tokens_per_step"] == 64 + 32
+
+
+def test_fixed_cost_row_runs_one_request_through_views():
+    r = bench.fixed_cost(5, 3, check=True)
+    assert r.key == "fixed_py" and r.budget == bench.BUDGETS["fixed_py"] == 1.2
+    assert r.info["rows"] == 1 and r.info["tokens_gained"] == 5 * r.info["steps_per_sample"]

@@ -16,6 +16,7 @@
 // Not thread-safe: one thread drives a Scheduler (the Python binding serialises calls).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -35,6 +36,30 @@
 namespace atom_sched {
 
 inline constexpr int32_t kMaxOutstandingBatches = 2;
+
+/// The batch buffers, in storage a caller may share (batch_storage(): the Python binding's
+/// cached views keep it alive). A copy of a Scheduler (next_batch_info()) copies the buffers,
+/// never shares them.
+class BatchBuffers {
+ public:
+  using Array = std::array<Batch, kMaxOutstandingBatches>;
+  BatchBuffers() : p_(std::make_shared<Array>()) {}
+  BatchBuffers(const BatchBuffers& o) : p_(std::make_shared<Array>(*o.p_)) {}
+  BatchBuffers& operator=(const BatchBuffers& o) {
+    p_ = std::make_shared<Array>(*o.p_);
+    return *this;
+  }
+  BatchBuffers(BatchBuffers&&) noexcept = default;
+  BatchBuffers& operator=(BatchBuffers&&) noexcept = default;
+  Batch& operator[](size_t i) { return (*p_)[i]; }
+  const Batch& operator[](size_t i) const { return (*p_)[i]; }
+  Array::iterator begin() { return p_->begin(); }
+  Array::iterator end() { return p_->end(); }
+  [[nodiscard]] std::shared_ptr<const void> storage() const { return p_; }
+
+ private:
+  std::shared_ptr<Array> p_;
+};
 
 /// The sampled outputs of one batch, row-aligned with it. Spans are not retained.
 struct ModelOutputs {
@@ -136,6 +161,8 @@ class Scheduler {
   [[nodiscard]] const SchedulerStats& stats() const noexcept { return stats_; }
   [[nodiscard]] const SchedulerConfig& config() const noexcept { return config_; }
   [[nodiscard]] const BlockPool& block_pool() const noexcept { return pool_; }
+  /// Owns the memory of every Batch schedule() returns: views into them may share it.
+  [[nodiscard]] std::shared_ptr<const void> batch_storage() const { return batches_.storage(); }
   /// Requests not running: waiting to be admitted, or waiting for remote KV.
   [[nodiscard]] int32_t num_waiting() const noexcept {
     return waiting_.size + remote_waiting_.size;
@@ -250,7 +277,7 @@ class Scheduler {
   List waiting_, running_;
   List remote_waiting_;  // kWaitingForRemoteKv requests, in arrival order
 
-  Batch batches_[kMaxOutstandingBatches];
+  BatchBuffers batches_;
   int32_t next_buffer_ = 0;    // the buffer the next schedule() fills
   int32_t num_outstanding_ = 0;
   uint64_t next_batch_id_ = 1;

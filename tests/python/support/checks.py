@@ -151,6 +151,12 @@ class BatchChecks:
         width = int(b.block_table_width)
         assert b.block_tables.dtype == np.int32 and b.block_tables.shape == (n, width)
         assert b.spec_draft_tokens.dtype == np.int32 and b.spec_draft_tokens.shape[0] == n
+        # views(): the same arrays, in one call (a cached object: equal values, dtypes, shapes).
+        views = b.views()
+        for name, arr in views._asdict().items():
+            attr = getattr(b, name)
+            assert arr.dtype == attr.dtype and arr.shape == attr.shape, (name, arr.shape)
+            assert np.array_equal(arr, attr) and not arr.flags.writeable, name
         assert len(set(rec.req_ids)) == n, "a request appears twice in one batch"
         assert int(b.total_tokens_num) == rec.num_tokens == sum(rec.num_scheduled_tokens)
         cu_q = [int(x) for x in b.cu_seqlens_q]

@@ -1,0 +1,75 @@
+"""Issue 10 item 2: Batch.views() returns every array a model runner and sampler read in one call,
+built once per batch buffer and shape and then returned again, so a steady step pays one call
+instead of a numpy object per array. The arrays equal the Batch attributes (the Driver checks
+that on every batch of every suite); here: reuse, rebuilding on a new shape, staleness, and the
+memory rules (read-only; an array kept past its scheduler stays valid; no reference cycle)."""
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+from atom_sched import BatchViews, SamplingParams, Scheduler, SchedulerConfig
+
+
+def make(k: int = 0) -> Scheduler:
+    s = Scheduler(SchedulerConfig(num_blocks=256, block_size=4, num_speculative_tokens=k))
+    for rid in range(3):
+        s.add_request(rid, list(range(10 + rid, 20 + rid)),
+                      SamplingParams(max_tokens=50, ignore_eos=True))
+    return s
+
+
+def step(s: Scheduler, k: int = 0):
+    b = s.schedule()
+    v = b.views()
+    n = b.num_rows
+    if k:
+        s.update(b, np.full((n, k + 1), 7, np.int32), np.ones(n, np.int32),
+                 np.full((n, k), 8, np.int32))
+    else:
+        s.update(b, np.full(n, 7, np.int32))
+    return b, v
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_views_are_reused_per_buffer_while_the_shape_holds(k):
+    s = make(k)
+    _, prefill = step(s, k)
+    assert isinstance(prefill, BatchViews) and prefill.positions.shape == (30,)
+    _, d1 = step(s, k)
+    _, d2 = step(s, k)
+    _, d3 = step(s, k)
+    assert d1 is not prefill, "a new shape builds new views"
+    assert d3 is d1, "the same buffer and shape: the same object (two buffers alternate)"
+    assert d2 is not d1
+    assert d3.spec_draft_tokens.shape == (3, k)
+    s.abort_request(2)  # two rows now: rebuilt
+    b, d4 = step(s, k)
+    assert d4 is not d1 and d4.req_ids.tolist() == [0, 1]
+
+
+def test_views_of_a_stale_batch_raise_and_arrays_are_borrowed():
+    s = make()
+    b0, v0 = step(s)
+    keep = np.array(v0.positions)
+    step(s)
+    step(s)  # b0's buffer now holds another batch
+    with pytest.raises(RuntimeError, match="no longer valid"):
+        b0.views()
+    assert not v0.positions.flags.writeable
+    assert not np.array_equal(v0.positions, keep), "borrowed: overwritten in place"
+
+
+def test_arrays_outlive_their_scheduler_and_make_no_cycle():
+    s = make()
+    step(s)
+    b, v = step(s)
+    kept = v.slot_mapping
+    value = kept.tolist()
+    alive = weakref.ref(s)
+    del s, b, v
+    gc.collect()
+    assert alive() is None, "the cached views keep no reference to the Scheduler"
+    assert kept.tolist() == value, "the array still reads the (now frozen) buffer"
