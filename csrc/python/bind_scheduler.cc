@@ -6,6 +6,7 @@
 // earlier is borrowed and is overwritten in place when the buffer is reused (copy it to keep
 // it). Views are read without the scheduler's lock: read them on the thread that drives the
 // scheduler. Every call into the core releases the GIL and takes the scheduler's mutex.
+#include <pybind11/gil_safe_call_once.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -128,20 +129,23 @@ py::object batch_views(const BatchView& v) {
     return readonly_view(base, reinterpret_cast<const bool*>(f.data()), {n});
   };
   auto tokens = [&](const auto& f) { return readonly_view(base, f.data(), {t}); };
-  const py::object cls = py::module_::import("atom_sched._views").attr("BatchViews");
+  // Built in BatchViews' field order (positional: a keyword call costs microseconds).
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> views_class;
+  const py::object& cls = views_class
+                              .call_once_and_store_result([] {
+                                return py::module_::import("atom_sched._views").attr("BatchViews");
+                              })
+                              .get_stored();
   py::object views = cls(
-      "req_ids"_a = rows(b.req_ids), "request_slots"_a = rows(b.request_slots),
-      "num_scheduled_tokens"_a = rows(b.num_scheduled_tokens),
-      "num_cached_tokens"_a = rows(b.num_cached_tokens), "context_lens"_a = rows(b.context_lens),
-      "cu_seqlens_q"_a = readonly_view(base, b.cu_seqlens_q.data(), {n + 1}),
-      "cu_seqlens_k"_a = readonly_view(base, b.cu_seqlens_k.data(), {n + 1}),
-      "scheduled_tokens"_a = tokens(b.scheduled_tokens), "positions"_a = tokens(b.positions),
-      "slot_mapping"_a = tokens(b.slot_mapping),
-      "block_tables"_a = readonly_view(base, b.block_tables.data(), {n, b.block_table_width}),
-      "spec_draft_tokens"_a = readonly_view(base, b.spec_draft_tokens.data(), {n, k}),
-      "temperatures"_a = rows(b.temperatures), "top_ks"_a = rows(b.top_ks),
-      "top_ps"_a = rows(b.top_ps), "seeds"_a = rows(b.seeds),
-      "row_is_prefill"_a = flags(b.row_is_prefill), "emits_token"_a = flags(b.emits_token));
+      rows(b.req_ids), rows(b.request_slots), rows(b.num_scheduled_tokens),
+      rows(b.num_cached_tokens), rows(b.context_lens),
+      readonly_view(base, b.cu_seqlens_q.data(), {n + 1}),
+      readonly_view(base, b.cu_seqlens_k.data(), {n + 1}), tokens(b.scheduled_tokens),
+      tokens(b.positions), tokens(b.slot_mapping),
+      readonly_view(base, b.block_tables.data(), {n, b.block_table_width}),
+      readonly_view(base, b.spec_draft_tokens.data(), {n, k}), rows(b.temperatures),
+      rows(b.top_ks), rows(b.top_ps), rows(b.seeds), flags(b.row_is_prefill),
+      flags(b.emits_token));
   *c = BatchViewsCache{&b, b.num_rows, b.num_tokens, k, views};
   return views;
 }
