@@ -56,6 +56,7 @@ BUDGETS: dict[str, float] = {
     "marginal_py": 20.0,  # ns per running request per step (the budget is set for the C++ core)
     "marginal_cpp": 20.0,  # ns per running request per step, C++ core
     "fixed_py": 1.2,  # µs per step at 1 running: schedule + views() + update (issue 10)
+    "engine_1024": 40.0,  # µs per step: the step plus what an engine streams (issue 10)
 }
 
 
@@ -194,6 +195,19 @@ class _NoGC:
         return max(0.0, (self.machine_ns - self.cpu_ns) / self.wall_ns)
 
 
+def _stream_flat(out: Any) -> int:
+    """What an engine needs to stream a step's tokens, as flat arrays (no object per request):
+    the request ids, token offsets, new tokens and finished flags (docs/api.md)."""
+    return (int(out.request_ids[-1]) + int(out.token_offsets[-1]) + int(out.new_tokens[-1])
+            + int(out.finished[-1]))
+
+
+def _stream_objects(out: Any) -> int:
+    """The same through StepOutput.outputs(): one RequestOutput per request."""
+    outs = out.outputs()
+    return outs[-1].request_id + len(outs[-1].output_tokens)
+
+
 def _touch(b: Any) -> int:
     """What a model runner reads every step: the views it hands to attention and the sampler,
     through ``Batch.views()`` (one call; the views object is reused while the buffer's shape
@@ -311,8 +325,11 @@ class _DecodeRig:
 
     def __init__(self, n: int, steps: int, *, k: int = 0, check: bool = False,
                  staged: bool = False, prompt_len: int = 64, seed: int = 0,
-                 policy: str = "atom", prefill_chunk: int = 0) -> None:
+                 policy: str = "atom", prefill_chunk: int = 0,
+                 stream: Callable[[Any], int] | None = None) -> None:
         rng = self.rng = np.random.default_rng(seed)
+        _require(stream is None or k == 0, "the engine-path rows run with K = 0")
+        self.stream = stream  # what an engine reads of each step's outputs (timed; K = 0)
         _require(prefill_chunk == 0 or (k == 0 and policy == "mixed"),
                  "a prefill stream needs K = 0 and policy 'mixed'")
         self.n, self.k, self.check, self.capacity = n, k, check, steps
@@ -356,6 +373,7 @@ class _DecodeRig:
         s, n, k, check = self.s, self.n, self.k, self.check
         sampled, drafts, ring, stage = self.sampled, self.drafts, self.acc_ring, self.stage
         touch = stage.copy if stage else _touch
+        stream = self.stream
         clock = time.perf_counter_ns
         acc = None
         sink = 0
@@ -371,6 +389,8 @@ class _DecodeRig:
                     b = s.schedule()
                     sink += touch(b)
                     out = s.update(b, sampled)
+                    if stream is not None:
+                        sink += stream(out)
                     t1 = clock()
                 else:
                     acc = ring[(self.steps_done + i) & 63]
@@ -422,11 +442,12 @@ class _DecodeRig:
 
 def decode_step(n: int, reps: int, warmup: int, *, k: int = 0, check: bool = False,
                 staged: bool = False, prompt_len: int = 64, seed: int = 0,
-                policy: str = "atom", prefill_chunk: int = 0) -> Result:
+                policy: str = "atom", prefill_chunk: int = 0,
+                stream: Callable[[Any], int] | None = None) -> Result:
     """Steady-state decode with `n` running requests (see _DecodeRig): `warmup` untimed steps,
     then `reps` timed ones."""
     rig = _DecodeRig(n, warmup + reps, k=k, check=check, staged=staged, prompt_len=prompt_len,
-                     seed=seed, policy=policy, prefill_chunk=prefill_chunk)
+                     seed=seed, policy=policy, prefill_chunk=prefill_chunk, stream=stream)
     rig.run(warmup)
     times = np.zeros(reps, np.int64)
     rig.run(reps, times)
@@ -440,7 +461,13 @@ def decode_step(n: int, reps: int, warmup: int, *, k: int = 0, check: bool = Fal
     else:
         name = f"decode step, {n:,} running"
     budget = None if staged else BUDGETS.get(key)
-    if prefill_chunk:  # reported, no budget: what a mixed step adds to a decode step
+    if stream is not None:  # the engine path: the step plus what streaming needs
+        flat = stream is _stream_flat
+        key = f"engine_{n}" if flat else f"engine_{n}_objects"
+        budget = BUDGETS.get(key)
+        name = (f"engine path, {n:,} running (step + flat outputs)" if flat
+                else f"engine path, {n:,} running (step + outputs() objects)")
+    elif prefill_chunk:  # reported, no budget: what a mixed step adds to a decode step
         key, budget = f"mixed_{n}_{prefill_chunk}", None
         name = f"mixed step, {n:,} decode rows + a {prefill_chunk}-token prefill chunk"
     elif policy != "atom":  # the decode step's budget holds whatever the policy
@@ -814,6 +841,12 @@ def workloads(quick: bool = False, check: bool = False) -> list[Workload]:
                             lambda n=n: decode_step(n, r.decode[n], r.warmup, check=check)))
     out.append(Workload("fixed_py", "fixed cost (1 running)",
                         lambda: fixed_cost(r.decode[64], r.warmup, check=check)))
+    out.append(Workload("engine_1024", "engine path 1024",
+                        lambda: decode_step(1024, r.decode[1024], r.warmup, check=check,
+                                            stream=_stream_flat)))
+    out.append(Workload("engine_1024_objects", "engine path 1024 (objects)",
+                        lambda: decode_step(1024, r.decode[1024] // 4, r.warmup, check=check,
+                                            stream=_stream_objects)))
     out.append(Workload("decode_1024_mixed", "decode 1024, policy mixed",
                         lambda: decode_step(1024, r.decode[1024], r.warmup, check=check,
                                             policy="mixed")))

@@ -490,20 +490,24 @@ class LLMEngine:
         tm = self.timings
         t0 = time.perf_counter()
         out = self.scheduler.update(f.batch, **f.result.update_kwargs())
-        outputs = out.outputs()
+        # The step's outputs as flat lists (no object per request): entry i's tokens are
+        # new_tokens[offsets[i]:offsets[i + 1]].
+        rids, offsets = out.request_ids.tolist(), out.token_offsets.tolist()
+        new_tokens, done = out.new_tokens.tolist(), out.finished.tolist()
+        cached = out.num_cached_tokens.tolist()
         if self.config.check_invariants:
             self.scheduler.check_invariants()
         t1 = time.perf_counter()
         events = []
-        for o in outputs:
-            req = self._requests.get(o.request_id)
+        for i, rid in enumerate(rids):
+            req = self._requests.get(rid)
             if req is None or req.finished:
                 continue
-            toks = list(o.output_tokens)
+            toks = new_tokens[offsets[i]:offsets[i + 1]]
             req.output.extend(toks)
-            req.num_cached_tokens = max(req.num_cached_tokens, o.num_cached_tokens)
+            req.num_cached_tokens = max(req.num_cached_tokens, cached[i])
             delta, stopped = self._detok(req)
-            finished, reason = o.finished, o.finish_reason
+            finished, reason = done[i], out.finish_reason(i) if done[i] else None
             if stopped and not finished:
                 # A stop string the token sequences missed (another tokenization): end it here.
                 self.scheduler.abort_request(req.rid)

@@ -399,6 +399,23 @@ void bind_scheduler(py::module_& m) {
                                  w(i) = so.finish_reasons[i] != FinishReason::kNone;
                                return a;
                              })
+      .def_property_readonly("num_cached_tokens",
+                             [](py::object self) {
+                               const StepOutput& so = self.cast<const StepOutputView&>().get();
+                               return readonly_view(self, so.prefix_hit_tokens.data(),
+                                                    {so.size()});
+                             })
+      .def(
+          "finish_reason",
+          [](const StepOutputView& v, int32_t i) -> py::object {
+            const StepOutput& so = v.get();
+            if (i < 0 || i >= so.size())
+              throw py::index_error("finish_reason(" + std::to_string(i) + "): the step has " +
+                                    std::to_string(so.size()) + " entries");
+            if (so.finish_reasons[i] == FinishReason::kNone) return py::none();
+            return py::str(finish_reason_string(so.finish_reasons[i], so.stop_tokens[i]));
+          },
+          "i"_a, "Entry i's finish reason (as RequestOutput.finish_reason), or None.")
       .def("outputs",
            [](const StepOutputView& v) {
              const StepOutput& so = v.get();

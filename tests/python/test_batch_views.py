@@ -73,3 +73,13 @@ def test_arrays_outlive_their_scheduler_and_make_no_cycle():
     gc.collect()
     assert alive() is None, "the cached views keep no reference to the Scheduler"
     assert kept.tolist() == value, "the array still reads the (now frozen) buffer"
+
+
+def test_step_output_flat_accessors_refuse_bad_indices():
+    s = make()
+    b = s.schedule()
+    out = s.update(b, np.full(b.num_rows, 7, np.int32))
+    assert out.finish_reason(0) is None and len(out.num_cached_tokens) == len(out)
+    for bad in (-1, len(out)):
+        with pytest.raises(IndexError, match="entries"):
+            out.finish_reason(bad)

@@ -77,3 +77,11 @@ def test_fixed_cost_row_runs_one_request_through_views():
     assert r.key == "fixed_py" and r.budget == bench.BUDGETS["fixed_py"] == 1.2
     # (the warm-up steps count too)
     assert r.info["rows"] == 1 and r.info["tokens_gained"] == 3 + 5 * r.info["steps_per_sample"]
+
+
+def test_engine_path_rows_time_the_step_and_the_outputs():
+    flat = bench.decode_step(16, 20, 3, check=True, stream=bench._stream_flat)
+    assert flat.key == "engine_16" and flat.name.endswith("(step + flat outputs)")
+    objects = bench.decode_step(16, 20, 3, check=True, stream=bench._stream_objects)
+    assert objects.key == "engine_16_objects" and objects.budget is None
+    assert bench.BUDGETS["engine_1024"] == 40.0

@@ -224,7 +224,9 @@ class Driver(BatchChecks):
         offs = so.token_offsets
         new = so.new_tokens
         fin = so.finished
+        cached = so.num_cached_tokens
         if self.check:
+            assert cached.dtype == np.int32 and cached.shape == (n,)
             assert rids.dtype == np.int64 and rids.shape == (n,)
             assert offs.dtype == np.int32 and offs.shape == (n + 1,)
             assert new.dtype == np.int32 and new.shape == (int(offs[-1]) if n else 0,)
@@ -238,6 +240,9 @@ class Driver(BatchChecks):
                 assert int(rids[i]) == rid
                 assert toks == [int(t) for t in new[int(offs[i]) : int(offs[i + 1])]]
                 assert bool(fin[i]) == bool(o.finished)
+                # The flat accessors an engine streams from agree with the objects.
+                assert so.finish_reason(i) == o.finish_reason
+                assert int(cached[i]) == o.num_cached_tokens
                 assert rid not in seen, f"request {rid} twice in one StepOutput"
                 assert rid not in self.reasons, f"output for request {rid} after it finished"
                 assert rid not in self.aborted, f"output for aborted request {rid}"
