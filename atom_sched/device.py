@@ -367,11 +367,12 @@ class DeviceBatchBuilder:
         ev.record(self._torch.cuda.current_stream(self.device))
         return ev
 
-    def _padded(self, batch: Any, rows: int | None, tokens: int | None) -> tuple[int, int]:
+    def _padded(self, batch: Any, rows: int | None, tokens: int | None,
+                decode_only: bool) -> tuple[int, int]:
         n, ntok = int(batch.num_rows), int(batch.num_tokens)
         if rows is None:
             rows = n
-            if self.capture_sizes and _decode_only(batch):
+            if self.capture_sizes and decode_only:
                 rows = next((s for s in self.capture_sizes if s >= n), n)
         if not n <= rows <= self.max_rows:
             raise ValueError(f"num_rows_padded={rows} must be in {n}..{self.max_rows}")
@@ -460,8 +461,8 @@ class DeviceBatchBuilder:
         n = int(batch.num_rows)
         if n > self.max_rows:
             raise ValueError(f"batch has {n} rows; the builder holds {self.max_rows}")
-        rows, tokens = self._padded(batch, num_rows_padded, num_tokens_padded)
         decode_only = _decode_only(batch)
+        rows, tokens = self._padded(batch, num_rows_padded, num_tokens_padded, decode_only)
         buf = self._step & 1
         self._step += 1
         self._wait(self._plan_events[buf])  # the upload that last read this host buffer

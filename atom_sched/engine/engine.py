@@ -480,11 +480,13 @@ class LLMEngine:
             if req is None or req.params.min_tokens <= 0:
                 continue
             stops = [t for t in (self.eos_token_id, *req.params.stop_token_ids) if t >= 0]
-            for j in range(n):
-                generated = int(positions[i, j]) + 1 - len(req.prompt)  # index of this token
-                if generated < req.params.min_tokens:
-                    with torch.inference_mode():  # the model's logits are inference tensors
-                        logits[i * n + j, stops] = float("-inf")
+            # Index of the token each logits row samples, among the generated ones.
+            generated = positions[i] + 1 - len(req.prompt)
+            masked = [i * n + j for j in range(n) if generated[j] < req.params.min_tokens]
+            if masked:
+                with torch.inference_mode():  # the model's logits are inference tensors
+                    logits[torch.tensor(masked)[:, None], torch.tensor(stops)[None, :]] = (
+                        float("-inf"))
 
     def _deliver(self, f: _InFlight) -> list[StreamEvent]:
         tm = self.timings

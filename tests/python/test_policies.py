@@ -8,6 +8,7 @@ both step protocols, with and without drafts."""
 import copy
 import pickle
 
+import numpy as np
 import pytest
 from support import make_driver, prompt, sp, state_snapshot
 
@@ -200,3 +201,22 @@ def test_mixed_batches_never_stall_a_running_request(mode, k):
     assert any(len({b - a for a, b in zip(s, s[1:], strict=False)} - {1}) > 0
                for s in emission_steps(atom).values())
     assert atom.results() == mixed.results(), "the policy changes when, never what"
+
+
+# ---- variable-length drafts through the binding ---------------------------------------------
+
+
+def test_draft_padding_is_a_suffix_and_a_refusal_changes_nothing():
+    s = Scheduler(SchedulerConfig(num_blocks=32, block_size=4, num_speculative_tokens=3))
+    s.add_request(0, prompt(6), SamplingParams(max_tokens=20, ignore_eos=True))
+    b = s.schedule()
+    sampled = np.full((1, 4), 7, np.int32)
+    for bad in ([-1, 5, -1], [5, -2, -1], [-7, -1, -1]):
+        before = state_snapshot(s)
+        with pytest.raises(ValueError, match="draft token"):
+            s.update(b, sampled, None, np.array([bad], np.int32))
+        assert state_snapshot(s) == before
+        s.check_invariants()
+    s.update(b, sampled, None, np.array([[11, -1, -1]], np.int32))
+    d = s.schedule()
+    assert list(d.scheduled_tokens) == [7, 11] and list(d.spec_draft_tokens[0]) == [11, -1, -1]

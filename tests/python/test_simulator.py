@@ -118,6 +118,10 @@ def test_cli_compares_the_policies(tmp_path, capsys):
     (["--load", "0"], "--load must be in (0, 10]"),
     (["--budget", "0"], "--budget must be >= 1"),
     (["--max-model-len", "1"], "no chat conversation fits --max-model-len 1"),
+    (["--think-time", "-1"], "--think-time and the step-time constants must be >= 0"),
+    (["--step-c=-1e-9"], "--think-time and the step-time constants must be >= 0"),
+    (["--rate", "nan"], "--rate must be a positive number"),
+    (["--priority-classes", "0"], "--priority-classes must be >= 1"),
 ])
 def test_cli_refuses_bad_arguments(argv, message, capsys, tmp_path):
     rc = main(["simulate", "--workload", "chat", "--out", str(tmp_path), *argv])
