@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import secrets
 import time
 import traceback
 from collections.abc import Sequence
@@ -132,8 +133,10 @@ class DisaggPair:
         self.exitcodes: dict[str, int | None] = {}  # per role, once closed
         self._inbox: dict[str, list[tuple]] = {"prefill": [], "decode": []}
         path = None if model_path is None else str(model_path)
-        roles = {"prefill": (prefill_config or {}, producer_kwargs),
-                 "decode": (decode_config or {}, consumer_kwargs)}
+        # The connectors authenticate each other with a secret only the two workers know.
+        secret = {"secret": secrets.token_bytes(32)}
+        roles = {"prefill": (prefill_config or {}, {**secret, **(producer_kwargs or {})}),
+                 "decode": (decode_config or {}, {**secret, **(consumer_kwargs or {})})}
         try:
             for role, (cfg, kw) in roles.items():
                 parent, child = ctx.Pipe()

@@ -1,4 +1,5 @@
-"""Loopback KV connectors: prefill/decode disaggregation between two engines on one machine.
+"""Loopback KV connectors: prefill/decode disaggregation between two engines on one machine, with
+no dependency beyond ZMQ (the NIXL connector is the fast path; this is the fallback).
 
 :class:`LoopbackProducer` sits on the prefill engine, :class:`LoopbackConsumer` on the decode
 engine. Each is an :class:`atom_sched.KVConnector` (the scheduler side, called by the C++
@@ -11,64 +12,68 @@ connectors read the remote blocks:
 1. Prefill engine: a request added with ``kv_transfer_params={"do_remote_decode": True}`` (and
    ``max_tokens=1``) is prefilled and samples its first token T0. ``request_finished`` returns
    True (the scheduler keeps its blocks) and records ATOM's ``kv_transfer_params_output``:
-   ``remote_block_ids``, ``remote_host``/``remote_port`` (the producer's ROUTER socket),
+   ``remote_block_ids``, ``remote_host``/``remote_port`` (the producer's ROUTER socket), a random
    ``transfer_id``, ``first_token_id``, ``draft_token_ids``, ... (the engine's
    ``Completion.kv_transfer_params``).
-2. Decode engine: the same prompt added with those params. ``get_num_new_matched_tokens`` answers
-   ``RemoteMatch(num_tokens=prompt_len, load_async=True, first_token=T0, draft_tokens=...)`` while
+2. Decode engine: the same prompt added with those params (checked by
+   :func:`~atom_sched.connectors.control.parse_remote_params`). ``get_num_new_matched_tokens``
+   answers ``RemoteMatch(num_tokens=prompt_len, load_async=True, first_token=T0, ...)`` while
    the request has not been allocated (no side effect: a dry run may ask); once its blocks are
    allocated ``update_state_after_alloc`` records them (minus the blocks the local prefix cache
    already had) and clears the flag, as ATOM does.
 3. Decode ``poll()``: sends ``PULL(transfer_id, remote block ids)`` to the producer.
-4. Prefill ``poll()``: reads those blocks (every layer, K and V) out of its paged cache and replies
-   with one frame ``[layers, 2, n, block_size, kv_heads, head_dim]``.
-5. Decode ``poll()``: writes the frame into its own blocks, answers ``DONE`` and reports the
-   request in ``finished_recving``; the scheduler then decodes it, starting from T0, and
-   publishes the received prompt blocks in its prefix cache.
-6. Prefill ``poll()``: on ``DONE`` it reports ``finished_sending``; only then does the scheduler
-   free the request's blocks.
+4. Prefill ``poll()``: checks the pull (authenticated, the transfer's own blocks, each once, one
+   pull per transfer, from one consumer) and replies with one frame
+   ``[layers, 2, n, block_size, kv_heads, head_dim]``.
+5. Decode ``poll()``: checks the reply (authenticated, the exact shape, dtype and size it
+   expects), writes it into its own blocks, answers ``DONE`` and reports the request in
+   ``finished_recving``; the scheduler then decodes it, starting from T0, and publishes the
+   received prompt blocks in its prefix cache.
+6. Prefill ``poll()``: on ``DONE`` from the consumer that pulled, it reports
+   ``finished_sending``; only then does the scheduler free the request's blocks.
 
-A failure (unknown transfer, layout mismatch, timeout) ends the decode request with a
-``"kv transfer failed: ..."`` reason; the producer always gets a ``DONE`` or ``RELEASE`` so it
-frees its blocks (and frees them anyway after ``release_timeout_s``).
+Every message is authenticated with the pair's shared ``secret`` (control.py); a frame that fails
+any check is logged and dropped, and never raises out of ``poll()``. A failed transfer (unknown
+transfer, layout mismatch, timeout) ends the decode request with a ``"kv transfer failed: ..."``
+reason; the producer frees blocks nobody pulls after ``release_timeout_s``.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 import torch
 import zmq
 
 from .._core import ConnectorRequest, KVConnector, RemoteMatch
+from .control import (
+    FrameError,
+    RemoteParams,
+    Signer,
+    check_loopback_host,
+    id_list,
+    logger,
+    new_transfer_id,
+    parse_remote_params,
+    transfer_id,
+)
 
 __all__ = ["LoopbackConsumer", "LoopbackProducer", "check_loopback_host"]
 
-# Message kinds (frame 0 after the ROUTER's identity frame); frame 1 is a msgpack header.
-PULL = b"PULL"  # consumer -> producer: {transfer_id, request_id, block_ids}
-KV = b"KV"  # producer -> consumer: {transfer_id, request_id, shape, dtype}, then the data frame
-ERR = b"ERR"  # producer -> consumer: {transfer_id, request_id, error}
+# Message kinds (frame 0 after the ROUTER's identity frame), each followed by a msgpack header and
+# its MAC; the number is how many data frames follow.
+PULL = b"PULL"  # consumer -> producer: {transfer_id, block_ids}
 DONE = b"DONE"  # consumer -> producer: {transfer_id} (received, or given up): free the blocks
-
-
-def check_loopback_host(host: str) -> str:
-    """``host`` if it is a loopback address (the only kind these connectors use), else
-    ValueError."""
-    if host == "localhost":
-        return "127.0.0.1"
-    try:
-        ok = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"loopback connectors bind and connect to loopback only, not {host!r}")
-    return host
+KV = b"KV"  # producer -> consumer: {transfer_id, shape, dtype}, then the data frame
+ERR = b"ERR"  # producer -> consumer: {transfer_id, error}
+TO_PRODUCER = {PULL: 0, DONE: 0}
+TO_CONSUMER = {KV: 1, ERR: 0}
+LOG_ENTRIES = 10_000  # the event log is a ring: a flood of bad frames cannot grow memory
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -76,18 +81,19 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class _LoopbackBase(KVConnector):
-    """Engine binding, the event log and transfer statistics shared by both sides."""
+    """Engine binding, the signer, the event log and transfer statistics of both sides."""
 
-    def __init__(self, engine_id: str) -> None:
+    def __init__(self, engine_id: str, secret: bytes) -> None:
         super().__init__()
         self.engine_id = engine_id
+        self._signer = Signer(secret)
         self._engine: Any = None
         self._ctx = zmq.Context()
         self._closed = False
-        # (monotonic time, event, request/transfer id, detail): for tests and debugging.
-        self.log: list[tuple[float, str, int, Any]] = []
+        # (monotonic time, event, request id or -1, detail): for tests, operators and debugging.
+        self.log: deque[tuple[float, str, int, Any]] = deque(maxlen=LOG_ENTRIES)
         self.transfer_stats = {"transfers": 0, "blocks": 0, "bytes": 0, "seconds": 0.0,
-                               "failed": 0}
+                               "failed": 0, "rejected": 0}
 
     # -- engine side ----------------------------------------------------------------------------
     def bind(self, engine: Any) -> None:
@@ -99,8 +105,20 @@ class _LoopbackBase(KVConnector):
         cache = self._engine.cache
         return (len(cache.k), 2, *cache.block_shape)
 
+    def _dtype(self) -> np.dtype:
+        return np.dtype(str(self._engine.cache.k[0].dtype).removeprefix("torch."))
+
+    def _block_bytes(self) -> int:
+        return int(np.prod(self._layout())) * self._dtype().itemsize
+
     def _log(self, event: str, rid: int, detail: Any = None) -> None:
         self.log.append((time.monotonic(), event, int(rid), detail))
+
+    def _reject(self, why: str) -> None:
+        """A frame that failed a check: counted, logged, dropped."""
+        self.transfer_stats["rejected"] += 1
+        self._log("rejected", -1, why)
+        logger.warning("%s: rejected a frame: %s", self.engine_id, why)
 
     def close(self) -> None:
         if not self._closed:
@@ -114,27 +132,44 @@ class _LoopbackBase(KVConnector):
             pass
 
 
+@dataclass
+class _Send:
+    """A finished prefill whose blocks are held until the consumer has pulled them."""
+
+    request_id: int
+    blocks: list[int]
+    since: float
+    peer: bytes | None = None  # the ROUTER identity of the consumer that pulled
+    served: bool = False
+
+
 class LoopbackProducer(_LoopbackBase):
     """The prefill engine's connector: keeps finished requests' blocks until the decode engine
     has pulled them. Serves pulls on a ROUTER socket bound to ``host:port`` (port 0: a free
-    port, see :attr:`port`)."""
+    port, see :attr:`port`). ``secret`` (16 bytes or more) is shared with the consumers; without
+    one a random secret is made (:attr:`secret`, to hand to the consumer)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, engine_id: str = "prefill-0",
-                 release_timeout_s: float = 300.0) -> None:
-        super().__init__(engine_id)
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None = None,
+                 engine_id: str = "prefill-0", release_timeout_s: float = 300.0) -> None:
+        import secrets
+
+        self.secret = secrets.token_bytes(32) if secret is None else secret
+        super().__init__(engine_id, self.secret)
         self.host = check_loopback_host(host)
         self.release_timeout_s = float(release_timeout_s)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # Only headers come in: a larger frame closes that peer's connection inside ZMQ.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
         if port:
             self._sock.bind(f"tcp://{self.host}:{int(port)}")
             self.port = int(port)
         else:
             self.port = self._sock.bind_to_random_port(f"tcp://{self.host}")
-        self._marked: dict[int, dict[str, Any]] = {}  # do_remote_decode requests not finished
-        self._sends: dict[int, dict[str, Any]] = {}  # transfer id -> blocks held for the pull
+        self._marked: set[int] = set()  # do_remote_decode requests not finished
+        self._sends: dict[str, _Send] = {}  # transfer id -> blocks held for the pull
         self._outputs: dict[int, dict[str, Any]] = {}  # kv_transfer_params_output, not taken
-        self._finished: list[int] = []  # sends to report as finished_sending
+        self._finished: list[int] = []  # request ids to report as finished_sending
 
     # -- scheduler side (KVConnector) -----------------------------------------------------------
     def is_producer(self) -> bool:
@@ -148,16 +183,17 @@ class LoopbackProducer(_LoopbackBase):
 
     def request_finished(self, request: ConnectorRequest) -> bool:
         rid = request.request_id
-        params = self._marked.pop(rid, None)
-        if params is None:
+        if rid not in self._marked:
             return False  # an ordinary request, served here
+        self._marked.discard(rid)
         tokens = request.token_ids
         prompt_len = request.num_prompt_tokens
         blocks = list(request.block_ids)
         if len(tokens) <= prompt_len or not blocks:
             self._log("not_sent", rid, "finished before its prefill completed")
             return False
-        self._sends[rid] = {"blocks": blocks, "since": time.monotonic(), "served": 0}
+        tid = new_transfer_id()
+        self._sends[tid] = _Send(rid, blocks, time.monotonic())
         engine = self._engine
         drafts = engine.last_drafts(rid) if engine is not None else []
         # ATOM's kv_transfer_params_output (spec 5.6), plus the prompt length for checking.
@@ -171,7 +207,7 @@ class LoopbackProducer(_LoopbackBase):
             "remote_handshake_port": self.port,
             "tp_size": 1,
             "dp_rank": 0,
-            "transfer_id": rid,
+            "transfer_id": tid,
             "first_token_id": int(tokens[prompt_len]),
             "draft_token_ids": [int(t) for t in drafts],
             "num_prompt_tokens": prompt_len,
@@ -184,7 +220,7 @@ class LoopbackProducer(_LoopbackBase):
                     kv_transfer_params: dict[str, Any]) -> None:
         if not kv_transfer_params.get("do_remote_decode"):
             raise ValueError("the prefill engine's kv_transfer_params need do_remote_decode=True")
-        self._marked[int(request_id)] = kv_transfer_params
+        self._marked.add(int(request_id))
 
     def take_kv_transfer_params_output(self, request_id: int) -> dict[str, Any] | None:
         """ATOM's ``kv_transfer_params_output`` of a finished request (once)."""
@@ -195,12 +231,13 @@ class LoopbackProducer(_LoopbackBase):
 
     @property
     def pending_sends(self) -> list[int]:
-        return sorted(self._sends)
+        """The request ids whose blocks are held for a pull."""
+        return sorted(s.request_id for s in self._sends.values())
 
-    def release(self, transfer_id: int) -> None:
+    def release(self, transfer_id: str) -> None:
         """Give up a send (e.g. the request needs no decode): its blocks are freed at the next
         step."""
-        self._finish(int(transfer_id), "released")
+        self._finish(transfer_id, "released")
 
     def poll(self, timeout_ms: int = 0) -> tuple[list[int], list[int], dict[int, str]]:
         """Serve pulls and acknowledgements; returns ``(finished_sending, [], {})``."""
@@ -211,77 +248,102 @@ class LoopbackProducer(_LoopbackBase):
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if len(frames) < 3:
-                continue
-            ident, kind, hdr = frames[0], frames[1], msgpack.unpackb(frames[2])
-            if kind == PULL:
-                self._serve(ident, hdr)
-            elif kind == DONE:
-                self._finish(int(hdr["transfer_id"]), "acked")
+            try:
+                kind, hdr, _ = self._signer.unpack(frames[1:], TO_PRODUCER)
+                if kind == PULL:
+                    self._serve(frames[0], hdr)
+                else:
+                    self._on_done(frames[0], hdr)
+            except FrameError as e:
+                self._reject(str(e))
         now = time.monotonic()
         for tid, send in list(self._sends.items()):
-            if now - send["since"] > self.release_timeout_s:
+            if now - send.since > self.release_timeout_s:
                 self._finish(tid, "timed out")
         done, self._finished = self._finished, []
         return done, [], {}
 
     def _serve(self, ident: bytes, hdr: dict[str, Any]) -> None:
-        tid = int(hdr["transfer_id"])
+        tid = transfer_id(hdr.get("transfer_id"))
         send = self._sends.get(tid)
-        ids = [int(b) for b in hdr["block_ids"]]
         error = None
         if send is None:
-            error = f"unknown transfer {tid} at {self.engine_id}"
-        elif not set(ids) <= set(send["blocks"]):
-            error = f"transfer {tid}: blocks {ids} are not the request's"
+            error = "unknown transfer"
+        elif send.served:
+            error = "transfer already pulled"
+        else:
+            try:
+                ids = id_list(hdr.get("block_ids"), "block_ids", len(send.blocks))
+            except FrameError as e:
+                ids, error = [], str(e)
+            if error is None and not set(ids) <= set(send.blocks):
+                error = "block_ids are not the transfer's"
         if error is not None:
-            self._log("refused", tid, error)
-            reply = {"transfer_id": tid, "request_id": hdr.get("request_id"), "error": error}
-            self._sock.send_multipart([ident, ERR, msgpack.packb(reply)])
+            self._log("refused", -1 if send is None else send.request_id, error)
+            self._send(ident, ERR, {"transfer_id": tid, "error": f"{error} at {self.engine_id}"})
             return
+        assert send is not None
         t0 = time.perf_counter()
         data = self._engine.read_kv_blocks(ids).numpy()
-        reply = {"transfer_id": tid, "request_id": hdr.get("request_id"),
-                 "shape": list(data.shape), "dtype": str(data.dtype)}
-        self._log("served", tid, {"blocks": len(ids), "bytes": int(data.nbytes)})
-        # copy=False: ZMQ sends straight from the tensor (it keeps a reference until sent).
-        self._sock.send_multipart([ident, KV, msgpack.packb(reply), memoryview(data)],
+        send.peer, send.served = ident, True
+        reply = {"transfer_id": tid, "shape": list(data.shape), "dtype": str(data.dtype)}
+        self._log("served", send.request_id, {"blocks": len(ids), "bytes": int(data.nbytes)})
+        # copy=False: ZMQ sends straight from the array (it keeps a reference until sent).
+        self._sock.send_multipart([ident, *self._signer.pack(KV, reply), memoryview(data)],
                                   copy=False)
-        send["served"] += 1
         st = self.transfer_stats
         st["transfers"] += 1
         st["blocks"] += len(ids)
         st["bytes"] += data.nbytes
         st["seconds"] += time.perf_counter() - t0
 
-    def _finish(self, tid: int, why: str) -> None:
-        if self._sends.pop(tid, None) is None:
+    def _on_done(self, ident: bytes, hdr: dict[str, Any]) -> None:
+        tid = transfer_id(hdr.get("transfer_id"))
+        send = self._sends.get(tid)
+        if send is None:
+            raise FrameError("DONE for an unknown transfer")
+        if send.peer is not None and send.peer != ident:
+            raise FrameError("DONE from a peer that did not pull the transfer")
+        self._finish(tid, "acked" if send.served else "released by the consumer")
+
+    def _send(self, ident: bytes, kind: bytes, hdr: dict[str, Any]) -> None:
+        self._sock.send_multipart([ident, *self._signer.pack(kind, hdr)])
+
+    def _finish(self, tid: str, why: str) -> None:
+        send = self._sends.pop(tid, None)
+        if send is None:
             return
-        self._outputs.pop(tid, None)
-        self._finished.append(tid)
-        self._log("released", tid, why)
+        self._outputs.pop(send.request_id, None)
+        self._finished.append(send.request_id)
+        self._log("released", send.request_id, why)
 
 
 @dataclass
 class _Recv:
     """A decode request whose prompt KV is on its way."""
 
-    params: dict[str, Any]
+    params: RemoteParams
     local_blocks: list[int]  # where the KV goes (the blocks the local prefix cache lacks)
     remote_blocks: list[int]  # where it comes from, one for one
     sent_at: float | None = None
-    endpoint: tuple[str, int] = ("127.0.0.1", 0)
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        return self.params.endpoint
 
 
 class LoopbackConsumer(_LoopbackBase):
     """The decode engine's connector: requests added with the producer's
-    ``kv_transfer_params`` get their prompt KV from it instead of prefilling."""
+    ``kv_transfer_params`` get their prompt KV from it instead of prefilling. ``secret`` is the
+    producers' (:attr:`LoopbackProducer.secret`)."""
 
-    def __init__(self, *, engine_id: str = "decode-0", recv_timeout_s: float = 60.0) -> None:
-        super().__init__(engine_id)
+    def __init__(self, *, secret: bytes, engine_id: str = "decode-0",
+                 recv_timeout_s: float = 60.0) -> None:
+        super().__init__(engine_id, secret)
         self.recv_timeout_s = float(recv_timeout_s)
-        self._remote: dict[int, dict[str, Any]] = {}  # do_remote_prefill, not allocated yet
+        self._remote: dict[int, RemoteParams] = {}  # do_remote_prefill, not allocated yet
         self._recvs: dict[int, _Recv] = {}  # allocated, KV not written yet
+        self._by_tid: dict[str, int] = {}  # transfer id -> request id, for the _recvs
         self._to_pull: list[int] = []
         self._socks: dict[tuple[str, int], zmq.Socket] = {}
 
@@ -294,10 +356,10 @@ class LoopbackConsumer(_LoopbackBase):
         params = self._remote.get(request.request_id)
         if params is None:
             return RemoteMatch()
-        t0 = params.get("first_token_id")
+        t0 = params.first_token_id
         return RemoteMatch(num_tokens=request.num_prompt_tokens, load_async=True,
-                           first_token=-1 if t0 is None else int(t0),
-                           draft_tokens=[int(t) for t in params.get("draft_token_ids") or ()])
+                           first_token=-1 if t0 is None else t0,
+                           draft_tokens=params.draft_token_ids)
 
     def update_state_after_alloc(self, request: ConnectorRequest) -> None:
         rid = request.request_id
@@ -307,16 +369,17 @@ class LoopbackConsumer(_LoopbackBase):
         bs = self._engine.cache.block_size
         need = _cdiv(request.num_prompt_tokens, bs)
         have = request.num_cached_tokens // bs  # blocks the local prefix cache already holds
-        remote = [int(b) for b in params["remote_block_ids"]]
-        n_remote = params.get("num_prompt_tokens", request.num_prompt_tokens)
-        if len(remote) < need or n_remote != request.num_prompt_tokens:
+        remote = params.remote_block_ids
+        n_remote = params.num_prompt_tokens or request.num_prompt_tokens
+        if len(remote) != need or n_remote != request.num_prompt_tokens:
             self._release_remote(params)
             raise ValueError(f"the producer's KV covers {n_remote} tokens in {len(remote)} "
                              f"blocks, the prompt has {request.num_prompt_tokens}")
-        local = list(request.block_ids)
-        rec = _Recv(params, local[have:need], remote[have:need],
-                    endpoint=(params["remote_host"], int(params["remote_port"])))
-        self._recvs[rid] = rec
+        if params.transfer_id in self._by_tid:
+            self._release_remote(params)
+            raise ValueError("another request is already receiving this transfer")
+        self._recvs[rid] = _Recv(params, list(request.block_ids)[have:need], remote[have:need])
+        self._by_tid[params.transfer_id] = rid
         self._to_pull.append(rid)
         self._log("alloc", rid, {"blocks": need, "cached": have})
 
@@ -331,16 +394,8 @@ class LoopbackConsumer(_LoopbackBase):
     # -- engine side ----------------------------------------------------------------------------
     def add_request(self, request_id: int, prompt_token_ids: list[int],
                     kv_transfer_params: dict[str, Any]) -> None:
-        p = kv_transfer_params
-        if not p.get("do_remote_prefill"):
-            raise ValueError("the decode engine's kv_transfer_params need do_remote_prefill=True "
-                             "(pass the prefill engine's kv_transfer_params output)")
-        missing = [k for k in ("remote_block_ids", "remote_host", "remote_port", "transfer_id")
-                   if k not in p]
-        if missing:
-            raise ValueError(f"kv_transfer_params lack {missing}")
-        check_loopback_host(str(p["remote_host"]))
-        self._remote[int(request_id)] = p
+        max_blocks = _cdiv(self._engine.sched_config.max_model_len, self._engine.cache.block_size)
+        self._remote[int(request_id)] = parse_remote_params(kv_transfer_params, max_blocks)
 
     def has_pending(self) -> bool:
         return bool(self._recvs)
@@ -357,17 +412,20 @@ class LoopbackConsumer(_LoopbackBase):
             for s in self._socks.values():
                 poller.register(s, zmq.POLLIN)
             poller.poll(timeout_ms)
-        for sock in self._socks.values():
+        for endpoint, sock in self._socks.items():
             while True:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                self._on_reply(sock, frames, recving, failed)
+                try:
+                    self._on_reply(endpoint, sock, frames, recving, failed)
+                except FrameError as e:
+                    self._reject(str(e))
         now = time.monotonic()
         for rid, rec in list(self._recvs.items()):
             if rec.sent_at is not None and now - rec.sent_at > self.recv_timeout_s:
-                del self._recvs[rid]
+                self._end(rid)
                 failed[rid] = f"no KV from {rec.endpoint} in {self.recv_timeout_s:g} s"
                 self._release_remote(rec.params)
         for rid, why in failed.items():
@@ -381,52 +439,52 @@ class LoopbackConsumer(_LoopbackBase):
             host, port = endpoint
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            # The largest reply this engine can need: a whole max_model_len request's blocks.
+            max_blocks = _cdiv(self._engine.sched_config.max_model_len,
+                               self._engine.cache.block_size)
+            sock.setsockopt(zmq.MAXMSGSIZE, max_blocks * self._block_bytes() + (1 << 20))
             sock.connect(f"tcp://{check_loopback_host(host)}:{port}")
             self._socks[endpoint] = sock
         return sock
+
+    def _end(self, rid: int) -> _Recv:
+        rec = self._recvs.pop(rid)
+        self._by_tid.pop(rec.params.transfer_id, None)
+        return rec
 
     def _pull(self, rid: int, recving: list[int]) -> None:
         rec = self._recvs.get(rid)
         if rec is None:
             return
-        tid = int(rec.params["transfer_id"])
         if not rec.local_blocks:  # everything was in the local prefix cache
-            del self._recvs[rid]
+            self._end(rid)
             self._release_remote(rec.params)
             recving.append(rid)
             self._log("received", rid, {"blocks": 0, "bytes": 0})
             return
         rec.sent_at = time.monotonic()
-        hdr = {"transfer_id": tid, "request_id": rid, "block_ids": rec.remote_blocks}
-        self._socket(rec.endpoint).send_multipart([PULL, msgpack.packb(hdr)])
+        hdr = {"transfer_id": rec.params.transfer_id, "block_ids": rec.remote_blocks}
+        self._socket(rec.endpoint).send_multipart(self._signer.pack(PULL, hdr))
         self._log("pull", rid, {"blocks": len(rec.remote_blocks)})
 
-    def _on_reply(self, sock: zmq.Socket, frames: list[Any], recving: list[int],
-                  failed: dict[int, str]) -> None:
-        if len(frames) < 2:
-            return
-        kind = frames[0].bytes
-        hdr = msgpack.unpackb(frames[1].bytes)
-        rid = hdr.get("request_id")
-        rec = self._recvs.get(rid) if rid is not None else None
-        tid = int(hdr.get("transfer_id", -1))
-        if rec is None or int(rec.params["transfer_id"]) != tid:
-            return  # a late reply for a request that already failed
-        del self._recvs[rid]
+    def _on_reply(self, endpoint: tuple[str, int], sock: zmq.Socket, frames: list[Any],
+                  recving: list[int], failed: dict[int, str]) -> None:
+        kind, hdr, data = self._signer.unpack(frames, TO_CONSUMER)
+        tid = transfer_id(hdr.get("transfer_id"))
+        rid = self._by_tid.get(tid)
+        if rid is None or self._recvs[rid].endpoint != endpoint:
+            raise FrameError("a reply for no transfer pulled from that producer")
+        rec = self._end(rid)
         try:
             if kind == ERR:
-                raise RuntimeError(str(hdr.get("error")))
-            if kind != KV or len(frames) < 3:
-                raise RuntimeError(f"unexpected reply {kind!r}")
-            want = [*self._layout()[:2], len(rec.local_blocks), *self._layout()[2:]]
-            if list(hdr["shape"]) != want:
-                raise RuntimeError(f"KV layout {hdr['shape']} from the producer, this engine "
-                                   f"needs {want} (same model and block size on both sides)")
-            arr = np.frombuffer(frames[2].buffer, dtype=np.dtype(hdr["dtype"])).reshape(want)
+                raise RuntimeError(str(hdr.get("error"))[:200])
+            shape = self._check_kv(hdr, data[0], len(rec.local_blocks))
+            arr = np.frombuffer(data[0].buffer, dtype=self._dtype()).reshape(shape)
             with warnings.catch_warnings():  # read-only buffer: it is only copied from
                 warnings.simplefilter("ignore", UserWarning)
-                data = torch.from_numpy(arr)
-            self._engine.write_kv_blocks(rec.local_blocks, data)
+                kv = torch.from_numpy(arr)
+            self._engine.write_kv_blocks(rec.local_blocks, kv)
+            nbytes = arr.nbytes
         except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
             failed[rid] = str(e)
             self._release_remote(rec.params)
@@ -435,19 +493,34 @@ class LoopbackConsumer(_LoopbackBase):
         st = self.transfer_stats
         st["transfers"] += 1
         st["blocks"] += len(rec.local_blocks)
-        st["bytes"] += arr.nbytes
+        st["bytes"] += nbytes
         st["seconds"] += seconds
-        self._log("received", rid, {"blocks": len(rec.local_blocks), "bytes": int(arr.nbytes),
+        self._log("received", rid, {"blocks": len(rec.local_blocks), "bytes": nbytes,
                                     "seconds": seconds})
         # Received: the producer may free its blocks; the scheduler may decode the request.
-        sock.send_multipart([DONE, msgpack.packb({"transfer_id": tid})])
+        sock.send_multipart(self._signer.pack(DONE, {"transfer_id": tid}))
         recving.append(rid)
 
-    def _release_remote(self, params: dict[str, Any]) -> None:
+    def _check_kv(self, hdr: dict[str, Any], frame: Any, n_blocks: int) -> list[int]:
+        """The KV's shape if the header names exactly the layout, dtype and size this engine
+        needs for ``n_blocks``; else RuntimeError (the request fails)."""
+        layout = self._layout()
+        want = [*layout[:2], n_blocks, *layout[2:]]
+        dtype = str(self._dtype())
+        if hdr.get("shape") != want or hdr.get("dtype") != dtype:
+            raise RuntimeError(f"KV layout {str(hdr.get('shape'))[:80]} "
+                               f"{str(hdr.get('dtype'))[:16]} from the producer, this engine "
+                               f"needs {want} {dtype} (same model and block size on both sides)")
+        nbytes = n_blocks * self._block_bytes()
+        if len(frame) != nbytes:
+            raise RuntimeError(f"{len(frame)} bytes of KV, the layout needs {nbytes}")
+        return want
+
+    def _release_remote(self, params: RemoteParams) -> None:
         """Tell the producer it may free a transfer's blocks (nothing more will be pulled)."""
         try:
-            sock = self._socket((str(params["remote_host"]), int(params["remote_port"])))
-            sock.send_multipart([DONE, msgpack.packb({"transfer_id": int(params["transfer_id"])})],
+            sock = self._socket(params.endpoint)
+            sock.send_multipart(self._signer.pack(DONE, {"transfer_id": params.transfer_id}),
                                 zmq.NOBLOCK)
-        except (zmq.ZMQError, KeyError, ValueError):
+        except zmq.ZMQError:
             pass  # the producer frees it after its release timeout

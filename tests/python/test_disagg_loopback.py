@@ -19,13 +19,14 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may touch the network
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("zmq")
+
+from support.disagg import TINY, Pair, tiny_case  # noqa: E402
 
 from atom_sched import block_hash  # noqa: E402
 from atom_sched.connectors import DisaggPair, LoopbackConsumer, LoopbackProducer  # noqa: E402
@@ -88,7 +89,8 @@ def test_two_process_disaggregation_equals_one_engine(smollm2):
             assert comp.token_ids == reference[rid][:1]
             x = comp.kv_transfer_params
             assert x["do_remote_prefill"] and not x["do_remote_decode"]
-            assert x["transfer_id"] == rid and x["first_token_id"] == reference[rid][0]
+            assert x["first_token_id"] == reference[rid][0]
+            assert len(x["transfer_id"]) == 32  # random, not the request id
             assert x["remote_host"] == "127.0.0.1" and x["remote_port"] == pair.info["prefill"][
                 "port"]
             assert len(x["remote_block_ids"]) == -(-len(ids[rid]) // BS)
@@ -162,71 +164,9 @@ def test_two_process_disaggregation_equals_one_engine(smollm2):
 
 
 # ---- a tiny random Llama, both engines in this process -------------------------------------------
-TINY = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
-            max_model_len=256, check_invariants=True, check_builder=True)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A 2-layer GQA Llama with random, fairly peaked weights (as in test_engine.py)."""
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rope_theta=10000.0, rms_norm_eps=1e-5, initializer_range=0.25, tie_word_embeddings=False,
-        bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    path = tmp_path_factory.mktemp("tiny_llama")
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(str(path), safe_serialization=True)
-    rng = np.random.default_rng(3)
-    base = rng.integers(2, 96, size=13).tolist()
-    prompts = [base + rng.integers(2, 96, size=6).tolist(), rng.integers(2, 96, size=7).tolist(),
-               base + rng.integers(2, 96, size=3).tolist()]
-    params = GenerationParams(max_tokens=12, ignore_eos=True)
-    ref = LLMEngine(EngineConfig(**TINY), model_path=path).generate(prompts, params)
-    return path, prompts, params, [r.token_ids for r in ref]
-
-
-class Pair:
-    """Both engines in one process; ``step()`` steps each once and forwards finished prefills."""
-
-    def __init__(self, path, prefill_kw=None, decode_kw=None):
-        self.pre = LLMEngine(EngineConfig(**dict(TINY, **(prefill_kw or {}))), model_path=path)
-        self.dec = LLMEngine(EngineConfig(**dict(TINY, **(decode_kw or {}))), model_path=path)
-        self.prod, self.cons = LoopbackProducer(), LoopbackConsumer()
-        self.pre.set_kv_connector(self.prod)
-        self.dec.set_kv_connector(self.cons)
-        self.prompts: dict[int, tuple[list[int], GenerationParams]] = {}
-        self.prefilled: dict[int, object] = {}
-        self.events: dict[int, list] = {}
-
-    def submit(self, rid, prompt, params):
-        self.prompts[rid] = (prompt, params)
-        self.pre.add_request(prompt, GenerationParams(max_tokens=1, ignore_eos=True),
-                             request_id=rid, kv_transfer_params={"do_remote_decode": True})
-
-    def step(self, forward=True):
-        for ev in self.pre.step():
-            if ev.finished:
-                comp = self.pre.completion(ev.request_id)
-                self.prefilled[ev.request_id] = comp
-                if forward:
-                    prompt, params = self.prompts[ev.request_id]
-                    self.dec.add_request(prompt, params, request_id=ev.request_id,
-                                         kv_transfer_params=comp.kv_transfer_params)
-        for ev in self.dec.step():
-            self.events.setdefault(ev.request_id, []).append(ev)
-
-    def run(self, max_steps=10_000):
-        for _ in range(max_steps):
-            if not (self.pre.has_unfinished() or self.dec.has_unfinished()):
-                return
-            self.step()
-        raise AssertionError("the pair did not finish")
-
-    def close(self):
-        self.prod.close()
-        self.cons.close()
+    return tiny_case(tmp_path_factory)
 
 
 MODES = [("sync", {}, {}), ("one-step-ahead", {}, {"one_step_ahead": True}),
@@ -297,7 +237,7 @@ def test_failed_transfer_ends_only_its_request(tiny):
         pair.submit(0, prompts[0], params)
         while 0 not in pair.prefilled:
             pair.step(forward=False)
-        bogus = dict(pair.prefilled[0].kv_transfer_params, transfer_id=77)
+        bogus = dict(pair.prefilled[0].kv_transfer_params, transfer_id="77" * 16)
         pair.dec.add_request(prompts[0], params, request_id=5, kv_transfer_params=bogus)
         pair.dec.add_request(prompts[1], params, request_id=6)  # an ordinary local request
         pair.dec.add_request(prompts[0], params, request_id=0,
@@ -305,7 +245,7 @@ def test_failed_transfer_ends_only_its_request(tiny):
         pair.run()
         bad = pair.dec.completion(5)
         assert bad.token_ids == [] and bad.finish_reason.startswith("kv transfer failed")
-        assert "unknown transfer 77" in bad.finish_reason
+        assert "unknown transfer" in bad.finish_reason
         assert pair.dec.completion(6).token_ids == ref[1]
         assert pair.dec.completion(0).token_ids == ref[0]
         for eng in (pair.pre, pair.dec):
@@ -338,11 +278,11 @@ def test_connectors_use_loopback_only(tiny):
         LoopbackProducer(host="0.0.0.0")
     path, prompts, params, _ = tiny
     dec = LLMEngine(EngineConfig(**TINY), model_path=path)
-    cons = LoopbackConsumer()
+    cons = LoopbackConsumer(secret=bytes(16))
     try:
         dec.set_kv_connector(cons)
         x = {"do_remote_prefill": True, "remote_block_ids": [0], "remote_host": "10.0.0.1",
-             "remote_port": 5555, "transfer_id": 0, "first_token_id": 5}
+             "remote_port": 5555, "transfer_id": "0" * 32, "first_token_id": 5}
         with pytest.raises(ValueError, match="loopback"):
             dec.add_request(prompts[1], params, request_id=0, kv_transfer_params=x)
         assert not dec.has_unfinished() and 0 not in dec.scheduler
