@@ -54,6 +54,8 @@ BlockPool::BlockPool(int32_t num_blocks, int32_t block_size, bool enable_prefix_
   num_free_ = num_blocks - 1;
   hash_.assign(num_blocks, 0);
   has_hash_.assign(num_blocks, 0);
+  for (auto* links : {&parent_, &first_child_, &next_sibling_, &prev_sibling_})
+    links->assign(num_blocks, -1);
   if (prefix_caching_) block_tokens_.assign(static_cast<size_t>(num_blocks) * block_size, 0);
   // ATOM pops state slots from the end of [0..G-1]: the first request gets G-1.
   free_state_slots_.reserve(num_state_slots);
@@ -116,8 +118,26 @@ void BlockPool::push_free_tail(int32_t b) {
   ++num_free_;
 }
 
-void BlockPool::forget_hash(int32_t b) {
-  if (!has_hash_[b]) return;
+void BlockPool::forget_hash(int32_t root) {
+  if (!has_hash_[root]) return;
+  // Post-order walk of root's cached subtree, without recursion (a chain can be thousands of
+  // blocks deep): descend to a leaf, forget it, go back to its parent.
+  int32_t b = root;
+  while (true) {
+    while (first_child_[b] >= 0) b = first_child_[b];
+    const int32_t parent = parent_[b];
+    forget_leaf(b);
+    if (b == root) return;
+    b = parent;
+  }
+}
+
+void BlockPool::forget_leaf(int32_t b) {
+  const int32_t p = parent_[b], prev = prev_sibling_[b], next = next_sibling_[b];
+  if (prev >= 0) next_sibling_[prev] = next;
+  else if (p >= 0) first_child_[p] = next;
+  if (next >= 0) prev_sibling_[next] = prev;
+  parent_[b] = prev_sibling_[b] = next_sibling_[b] = -1;
   map_.erase(hash_[b]);
   has_hash_[b] = 0;
   if (events_enabled_) {
@@ -180,9 +200,17 @@ void BlockPool::publish(std::span<const int32_t> table, std::span<const uint64_t
       run = nullptr;
       continue;
     }
+    const int32_t parent = i > 0 ? map_.find(hashes[i - 1]) : -1;
+    if (i > 0 && parent < 0) return;  // the prefix was reset away: nothing after it is reachable
     hash_[b] = h;
     has_hash_[b] = 1;
     map_.insert(h, b);
+    parent_[b] = parent;
+    if (parent >= 0) {
+      next_sibling_[b] = first_child_[parent];
+      if (next_sibling_[b] >= 0) prev_sibling_[next_sibling_[b]] = b;
+      first_child_[parent] = b;
+    }
     auto content = tokens.subspan(static_cast<size_t>(i) * block_size_, block_size_);
     std::copy(content.begin(), content.end(),
               block_tokens_.begin() + static_cast<ptrdiff_t>(b) * block_size_);
@@ -218,6 +246,8 @@ void BlockPool::release_state_slot(int32_t slot) {
 void BlockPool::reset_prefix_cache() {
   map_.clear();
   std::fill(has_hash_.begin(), has_hash_.end(), 0);
+  for (auto* links : {&parent_, &first_child_, &next_sibling_, &prev_sibling_})
+    std::fill(links->begin(), links->end(), -1);
   if (events_enabled_) {
     KvEvent e;
     e.kind = KvEventKind::kAllBlocksCleared;
@@ -230,6 +260,24 @@ std::vector<KvEvent> BlockPool::take_events() {
   std::vector<KvEvent> out;
   out.swap(events_);
   return out;
+}
+
+void BlockPool::check_tree_links(int32_t b) const {
+  const std::string at = "cached forest at block " + std::to_string(b) + ": ";
+  if (!has_hash_[b]) {
+    check(parent_[b] < 0 && first_child_[b] < 0 && next_sibling_[b] < 0 && prev_sibling_[b] < 0,
+          at + "an uncached block keeps links");
+    return;
+  }
+  const int32_t p = parent_[b];
+  if (p >= 0) check(has_hash_[p], at + "the parent is not cached (an orphan)");
+  const int32_t prev = prev_sibling_[b], next = next_sibling_[b];
+  check(prev >= 0 ? next_sibling_[prev] == b && parent_[prev] == p
+                  : p < 0 || first_child_[p] == b, at + "broken sibling link");
+  check(next < 0 || (prev_sibling_[next] == b && parent_[next] == p), at + "broken sibling link");
+  if (first_child_[b] >= 0)
+    check(parent_[first_child_[b]] == b && prev_sibling_[first_child_[b]] < 0,
+          at + "broken child link");
 }
 
 std::vector<uint64_t> BlockPool::cached_hashes() const {
@@ -275,6 +323,7 @@ void BlockPool::check_invariants(std::span<const int32_t> expected_refs) const {
             "block " + std::to_string(b) + " ref count " + std::to_string(ref_count_[b]) +
                 " but held by " + std::to_string(expected_refs[b]) + " tables");
     if (has_hash_[b]) check(map_.find(hash_[b]) == b, "hashed block missing from the map");
+    check_tree_links(b);
   }
   // Map: every entry names a block that carries that hash.
   int32_t entries = 0;

@@ -604,6 +604,83 @@ TEST(BlockPoolTest, ResetPrefixCacheForgetsEveryHash) {
   EXPECT_EQ(OfKind(pool.take_events(), KvEventKind::kBlockStored).size(), 1u);
 }
 
+// The cached set stays a forest a router can mirror. A block can be cached under a parent its
+// request does not hold (its prefix was computed twice, and the first copy is the cached one), so
+// the parent can be evicted while the child lives on: the child, and its own children, are
+// forgotten first, leaves first, and announced again once recomputed.
+TEST(BlockPoolTest, EvictingAParentForgetsItsCachedDescendantsLeavesFirst) {
+  BlockPool pool(9, 4, true, true);
+  const V p = Seq(100, 8);
+  const H hp = Chain(p, 4);
+  const V q = Cat(Seq(100, 4), Seq(500, 8));  // block 0 as p's, then its own two
+  const H hq = Chain(q, 4);
+  ASSERT_EQ(hq[0], hp[0]);
+  V a, b;
+  pool.allocate(hp, 0, 8, a);   // {1, 2}
+  pool.allocate(hq, 0, 12, b);  // {3, 4, 5}: computed at the same time, no hit
+  pool.publish(a, hp, p, 0, 2);
+  pool.publish(b, hq, q, 0, 3);  // block 3 is a second copy: 4 is cached under a's block 1
+  Check(pool, {&a, &b});
+  EXPECT_EQ(pool.cached_block(hq[1]), 4);
+  EXPECT_EQ(pool.cached_block(hq[2]), 5);
+  auto stored = OfKind(pool.take_events(), KvEventKind::kBlockStored);
+  ASSERT_EQ(stored.size(), 2u);
+  ExpectStored(stored[1], {hq[1], hq[2]}, hq[0], Seq(500, 8), 4);
+
+  pool.free(a);  // the parent goes free while its other child (4) is live in b
+  a.clear();
+  V x;
+  pool.allocate({}, 0, 16, x);  // 6, 7, 8, then 2 (a's leaf)
+  EXPECT_EQ(RemovedHashes(pool.take_events()), (H{hp[1]}));
+  V y;
+  ASSERT_TRUE(pool.grow(y, 1));  // block 1: its subtree goes first, leaves first
+  Check(pool, {&b, &x, &y});
+  EXPECT_EQ(RemovedHashes(pool.take_events()), (H{hq[2], hq[1], hp[0]}));
+  EXPECT_EQ(pool.num_cached_hashes(), 0);
+  EXPECT_FALSE(pool.is_cached(4));
+  EXPECT_FALSE(pool.is_cached(5));
+
+  // Recomputed later, the whole chain is cached and announced again from its root.
+  pool.free(x);
+  pool.free(y);
+  x.clear();
+  y.clear();
+  V c;
+  ASSERT_EQ(pool.can_allocate(hq, q, 12, false), 0);
+  pool.allocate(hq, 0, 12, c);
+  pool.publish(c, hq, q, 0, 3);
+  Check(pool, {&b, &c});
+  stored = OfKind(pool.take_events(), KvEventKind::kBlockStored);
+  ASSERT_EQ(stored.size(), 1u);
+  ExpectStored(stored[0], hq, std::nullopt, q, 4);
+}
+
+// After a reset, a live request's later blocks would name a parent every router has cleared:
+// they are not cached (and not announced); a prefix recomputed from its first block is.
+TEST(BlockPoolTest, BlocksWhoseParentWasResetAwayAreNotCached) {
+  BlockPool pool(9, 4, true, true);
+  const V p = Seq(100, 16);
+  const H hp = Chain(p, 4);
+  V a;
+  pool.allocate(hp, 0, 16, a);
+  pool.publish(a, hp, p, 0, 2);  // the prompt's blocks
+  pool.reset_prefix_cache();
+  (void)pool.take_events();
+  pool.publish(a, hp, p, 2, 4);  // decode filled blocks 2 and 3: their parent is gone
+  Check(pool, {&a});
+  EXPECT_EQ(pool.num_cached_hashes(), 0);
+  EXPECT_TRUE(pool.take_events().empty());
+
+  V b;
+  pool.allocate(hp, 0, 16, b);
+  pool.publish(b, hp, p, 0, 4);  // another request computes the whole prefix again
+  Check(pool, {&a, &b});
+  EXPECT_EQ(pool.num_cached_hashes(), 4);
+  auto stored = OfKind(pool.take_events(), KvEventKind::kBlockStored);
+  ASSERT_EQ(stored.size(), 1u);
+  ExpectStored(stored[0], hp, std::nullopt, p, 4);
+}
+
 TEST(BlockPoolTest, EventsDisabledRecordsNothing) {
   BlockPool pool(5, 4, true, false);
   EXPECT_FALSE(pool.events_enabled());
@@ -713,6 +790,7 @@ TEST(BlockPoolTest, RandomOperationsKeepInvariants) {
         if (live[i].state_slot >= 0) pool.release_state_slot(live[i].state_slot);
         live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
       }
+      if (op % 700 == 699) pool.reset_prefix_cache();  // live requests keep publishing after it
       check();
       if (HasFatalFailure()) return;
       if (op % 500 == 499) (void)pool.take_events();

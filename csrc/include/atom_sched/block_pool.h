@@ -11,6 +11,12 @@
 // blocks (publish()), never at allocation. A lookup also compares the stored tokens, so a hash
 // collision is never a hit.
 //
+// The cached set is a forest, as KV-aware routers see it: a block is cached only if its parent
+// (the block before it in the sequence) is, and forgetting a block forgets its cached descendants
+// first (one BlockRemoved each, leaves first). So a router that applies our events holds exactly
+// the blocks a prefix lookup can reach: no orphan whose parent was evicted, and no BlockStored
+// after a reset that names a parent the routers have cleared.
+//
 // Per-request state slots (linear-attention/Mamba state) are a separate pool of slot ids.
 //
 // Not thread-safe: one thread owns the pool (the scheduler's).
@@ -86,8 +92,9 @@ class BlockPool {
 
   /// Registers blocks [first_block, end_block) of a request as computed: `hashes[i]` is the chain
   /// hash of block i, tokens[i*bs, (i+1)*bs) its content. A hash that is already cached (the same
-  /// content computed twice) is not registered again and records no event. Records one BlockStored
-  /// per run of newly registered blocks, labelled with the extra keys the hashes were made under.
+  /// content computed twice) is not registered again and records no event; nor is a block whose
+  /// parent hash (block i-1's) is not cached, nor any block after it. Records one BlockStored per
+  /// run of newly registered blocks, labelled with the extra keys the hashes were made under.
   void publish(std::span<const int32_t> table, std::span<const uint64_t> hashes,
                std::span<const int32_t> tokens, int32_t first_block, int32_t end_block,
                std::string_view lora_name = {}, std::string_view cache_salt = {});
@@ -96,7 +103,8 @@ class BlockPool {
   int32_t take_state_slot();
   void release_state_slot(int32_t slot);
 
-  /// Forgets every cached hash (live blocks included) and records AllBlocksCleared.
+  /// Forgets every cached hash (live blocks included) and records AllBlocksCleared. A live
+  /// request's later blocks are not cached afterwards (their parents are gone).
   void reset_prefix_cache();
 
   /// Moves the recorded events out. Empty when events are disabled.
@@ -121,8 +129,10 @@ class BlockPool {
   int32_t pop_free_head();       // takes the LRU block off the free list, evicting its hash
   void unlink_free(int32_t b);   // removes b from the free list
   void push_free_tail(int32_t b);
-  void forget_hash(int32_t b);   // drops b's hash from the map, recording BlockRemoved
+  void forget_hash(int32_t b);   // drops b's and its descendants' hashes, recording BlockRemoved
+  void forget_leaf(int32_t b);   // drops the hash of b, which has no cached child
   [[nodiscard]] bool tokens_match(int32_t block, std::span<const int32_t> tokens) const;
+  void check_tree_links(int32_t b) const;  // throws InvariantViolation
 
   int32_t num_blocks_;
   int32_t block_size_;
@@ -136,6 +146,9 @@ class BlockPool {
   std::vector<uint64_t> hash_;      // valid where has_hash_
   std::vector<uint8_t> has_hash_;   // block is registered in map_
   std::vector<int32_t> block_tokens_;  // num_blocks * block_size: content of registered blocks
+  // The cached forest, over block ids (-1: none): each registered block's parent and its
+  // registered children as an intrusive doubly linked list.
+  std::vector<int32_t> parent_, first_child_, next_sibling_, prev_sibling_;
   FlatHashMap map_;
   std::vector<int32_t> free_state_slots_;
   std::vector<KvEvent> events_;
