@@ -7,17 +7,18 @@ shared/spec/kv-events-wire.md; in short:
 * a batch is the array ``[ts (float64), events, data_parallel_rank]``; each event is a map with a
   ``"type"`` key (vLLM >= 0.24, SGLang) or, with ``encoding="array"``, a tagged positional array
   (older consumers);
-* an optional ROUTER socket replays buffered batches from a requested ``seq`` onwards, ending
-  with ``[b"", END_SEQ, b""]``.
+* an optional ROUTER socket replays buffered batches from a requested ``seq`` onwards to a
+  DEALER client, ending with ``[b"", b"", END_SEQ, b""]`` (``KVEventPublisher._serve_replay``).
 
-Publishing never blocks the engine: ``publish`` encodes the step's events and hands them to a
-background thread through a bounded queue; when the queue is full the oldest batch is dropped
-(counted in ``stats()``; subscribers see the gap in the sequence numbers and can replay).
+Publishing never blocks the engine: ``publish`` encodes and numbers the step's events and puts
+them in the replay ring; a background thread sends them. A batch it cannot send (it lags too far
+behind, or a subscriber's high-water mark is full) is counted in ``stats()["dropped"]`` and stays
+in the ring: subscribers see the gap in the sequence numbers and replay it.
 """
 
 from __future__ import annotations
 
-import queue
+import ipaddress
 import threading
 import time
 from collections import deque
@@ -31,6 +32,8 @@ import zmq
 __all__ = [
     "END_SEQ",
     "KVEventPublisher",
+    "check_bind_endpoint",
+    "check_dp_layout",
     "encode_batch",
     "encode_event",
     "extra_keys",
@@ -39,6 +42,7 @@ __all__ = [
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+MAX_REPLAY_REQUEST = 256  # bytes per frame; a request is 8 (ZMQ drops a peer that sends more)
 Encoding = Literal["map", "array"]
 
 
@@ -72,7 +76,9 @@ def extra_keys(event: EventLike) -> list[tuple[str, ...] | None] | None:
 def encode_event(event: EventLike, encoding: Encoding = "map") -> Any:
     """The msgpack-ready form of one event: vLLM's map layout or the legacy positional one.
     Blocks hashed under extra keys (SamplingParams.lora_name, cache_salt) carry ``lora_name`` and,
-    in the map layout, ``extra_keys``; their hashes differ from the same tokens' without them."""
+    in the map layout, ``extra_keys`` and ``cache_salt``; their hashes differ from the same
+    tokens' without them. The positional layout carries no salt: multi-tenant routing needs the
+    map layout."""
     kind = event.kind
     if kind == "BlockStored":
         fields = {
@@ -87,6 +93,10 @@ def encode_event(event: EventLike, encoding: Encoding = "map") -> Any:
         keys = extra_keys(event)
         if keys is not None and encoding == "map":
             fields["extra_keys"] = keys
+            if getattr(event, "cache_salt", ""):
+                # Dynamo's field: its indexer namespaces a salted sequence by it (it does not read
+                # the salt from vLLM's extra_keys); other consumers ignore an unknown field.
+                fields["cache_salt"] = event.cache_salt
     elif kind == "BlockRemoved":
         fields = {"block_hashes": list(event.block_hashes), "medium": event.medium}
     elif kind == "AllBlocksCleared":
@@ -126,6 +136,45 @@ def offset_endpoint_port(endpoint: str, data_parallel_rank: int) -> str:
     raise ValueError(f"cannot offset endpoint {endpoint!r} by data parallel rank")
 
 
+def check_bind_endpoint(endpoint: str, allow_remote: bool = False) -> str:
+    """``endpoint`` if this publisher may bind it: ipc/inproc, or TCP on a loopback address
+    unless ``allow_remote`` (a router on another machine needs it, and then anyone who can reach
+    the port can read which prefixes this engine caches)."""
+    if endpoint.startswith(("ipc://", "inproc://")) or allow_remote:
+        return endpoint
+    if not endpoint.startswith("tcp://"):
+        raise ValueError(f"endpoint {endpoint!r}: tcp://, ipc:// or inproc://")
+    host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False  # "*", an interface name or a host name
+    if not loopback:
+        raise ValueError(f"endpoint {endpoint!r} is not loopback-only: pass allow_remote=True to "
+                         "publish to other machines")
+    return endpoint
+
+
+def _tcp_port(endpoint: str) -> tuple[str, int] | None:
+    host, _, port = endpoint.rpartition(":")
+    return (host, int(port)) if endpoint.startswith("tcp://") and port.isdigit() else None
+
+
+def check_dp_layout(endpoint: str, replay_endpoint: str | None, data_parallel_size: int) -> None:
+    """ValueError if offsetting both endpoints by the rank (vLLM's rule) makes one rank's PUB
+    port another rank's replay port: the port ranges ``[P, P + size)`` and ``[R, R + size)``
+    must not overlap (for example P=5557, R=5557+size)."""
+    pub, rep = _tcp_port(endpoint), _tcp_port(replay_endpoint or "")
+    if pub is None or rep is None or pub[0] != rep[0] or pub[1] == 0 or rep[1] == 0:
+        return
+    if abs(pub[1] - rep[1]) < data_parallel_size:
+        raise ValueError(
+            f"with {data_parallel_size} data-parallel ranks, PUB ports {pub[1]}.."
+            f"{pub[1] + data_parallel_size - 1} and replay ports {rep[1]}.."
+            f"{rep[1] + data_parallel_size - 1} overlap: put the replay port at least "
+            f"{data_parallel_size} away (e.g. {pub[1] + data_parallel_size})")
+
+
 @dataclass
 class _Batch:
     seq: int
@@ -135,9 +184,16 @@ class _Batch:
 class KVEventPublisher:
     """Publishes one batch of KV events per engine step (see the module docstring).
 
-    ``endpoint`` is bound (the default is loopback only); ``replay_endpoint``, if given, serves
-    replays. Both are offset by ``data_parallel_rank``. Use as a context manager or call
-    ``close()``.
+    ``endpoint`` is bound (loopback only unless ``allow_remote``); ``replay_endpoint``, if given,
+    serves replays. Both are offset by ``data_parallel_rank``; ``data_parallel_size`` (default:
+    the rank + 1) lets the constructor refuse a port layout where ranks would collide. Use as a
+    context manager or call ``close()``.
+
+    Every numbered batch is kept in the replay ring (``buffer_steps`` batches) whether or not it
+    could be sent: a batch is skipped on the PUB socket (counted in ``stats()["dropped"]``) when
+    the sender thread lags more than ``max_queue_size`` batches behind, or when a subscriber's
+    high-water mark (``hwm`` messages) is full; subscribers see the gap in the sequence numbers
+    and replay it.
     """
 
     def __init__(
@@ -148,42 +204,57 @@ class KVEventPublisher:
         topic: str = "",
         encoding: Encoding = "map",
         data_parallel_rank: int = 0,
+        data_parallel_size: int | None = None,
         buffer_steps: int = 10_000,
         max_queue_size: int = 100_000,
         hwm: int = 100_000,
+        allow_remote: bool = False,
     ) -> None:
         if encoding not in ("map", "array"):
             raise ValueError(f"encoding must be 'map' or 'array', got {encoding!r}")
-        if buffer_steps < 1 or max_queue_size < 1:
-            raise ValueError("buffer_steps and max_queue_size must be >= 1")
-        if data_parallel_rank < 0:
-            raise ValueError("data_parallel_rank must be >= 0")
+        if buffer_steps < 1 or max_queue_size < 1 or hwm < 1:
+            raise ValueError("buffer_steps, max_queue_size and hwm must be >= 1")
+        size = data_parallel_rank + 1 if data_parallel_size is None else data_parallel_size
+        if not 0 <= data_parallel_rank < size:
+            raise ValueError(f"data_parallel_rank {data_parallel_rank} outside [0, {size})")
+        check_dp_layout(endpoint, replay_endpoint, size)
         self.topic = topic.encode()
         self.encoding: Encoding = encoding
         self.data_parallel_rank = data_parallel_rank
-        self.endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
+        self.endpoint = check_bind_endpoint(offset_endpoint_port(endpoint, data_parallel_rank),
+                                            allow_remote)
         self.replay_endpoint = (
-            offset_endpoint_port(replay_endpoint, data_parallel_rank) if replay_endpoint else None
-        )
+            check_bind_endpoint(offset_endpoint_port(replay_endpoint, data_parallel_rank),
+                                allow_remote) if replay_endpoint else None)
+        self._max_lag = min(max_queue_size, buffer_steps)
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.set_hwm(hwm)
-        self._pub.bind(self.endpoint)
-        # With port "*" the system picks one: report the address actually bound.
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._router = None
-        if self.replay_endpoint:
-            self._router = self._ctx.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-            self._router.bind(self.replay_endpoint)
-            self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._queue: queue.Queue[_Batch | None] = queue.Queue(maxsize=max_queue_size)
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 1000)
+            self._pub.set_hwm(hwm)
+            # A full subscriber makes the send fail (all subscribers or none get a batch), so the
+            # sender counts what it could not send instead of ZMQ dropping it silently.
+            self._pub.setsockopt(zmq.XPUB_NODROP, 1)
+            self._pub.bind(self.endpoint)
+            # With port "*" the system picks one: report the address actually bound.
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._router = None
+            if self.replay_endpoint:
+                self._router = self._ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                self._router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                self._router.setsockopt(zmq.MAXMSGSIZE, MAX_REPLAY_REQUEST)
+                self._router.bind(self.replay_endpoint)
+                self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
         self._ring: deque[_Batch] = deque(maxlen=buffer_steps)
-        self._lock = threading.Lock()
-        self._next_seq = 0
-        self._sent = 0
-        self._dropped = 0
-        self._encode_errors = 0
+        self._cond = threading.Condition()
+        self._next_seq = 0  # the number of the next batch published
+        self._next_send = 0  # the number of the next batch the sender thread sends
+        self._stats = {"sent": 0, "dropped": 0, "dropped_lag": 0, "dropped_hwm": 0,
+                       "encode_errors": 0, "replays": 0, "replay_errors": 0}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
         self._thread.start()
@@ -191,7 +262,8 @@ class KVEventPublisher:
     # -- engine side -------------------------------------------------------------------------
 
     def publish(self, events: Iterable[EventLike], ts: float | None = None) -> int | None:
-        """Queues one batch; returns its sequence number, or None if there were no events."""
+        """Numbers and queues one batch; returns its sequence number, or None if there were no
+        events. Never blocks on the network."""
         events = list(events)
         if not events:
             return None
@@ -202,37 +274,46 @@ class KVEventPublisher:
                 time.time() if ts is None else ts, events, self.data_parallel_rank, self.encoding
             )
         except (TypeError, ValueError, OverflowError):
-            with self._lock:
-                self._encode_errors += 1
+            with self._cond:
+                self._stats["encode_errors"] += 1
             raise
-        with self._lock:
-            batch = _Batch(self._next_seq, payload)
+        with self._cond:
+            seq = self._next_seq
             self._next_seq += 1
-        self._put(batch)
-        return batch.seq
+            self._ring.append(_Batch(seq, payload))
+            self._cond.notify()
+        return seq
 
     def publish_step(self, scheduler: Any) -> int | None:
         """Drains the scheduler's events of this step and publishes them as one batch."""
         return self.publish(scheduler.take_events())
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
-            return {
-                "sent": self._sent,
-                "dropped": self._dropped,
-                "encode_errors": self._encode_errors,
-                "next_seq": self._next_seq,
-            }
+        """``sent``, ``dropped`` (not sent: ``dropped_lag`` + ``dropped_hwm``; all of them
+        replayable while in the ring), ``encode_errors``, ``next_seq``, ``replays`` and
+        ``replay_errors`` (malformed replay requests)."""
+        with self._cond:
+            return {**self._stats, "next_seq": self._next_seq}
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Waits until every published batch was sent or dropped; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._next_send < self._next_seq:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.01))
+        return True
 
     def close(self, timeout: float = 2.0) -> None:
         """Sends what is queued (waiting up to ``timeout`` s), then closes the sockets."""
         if self._closed:
             return
-        self._closed = True
-        try:  # let the sender drain what is queued; drop the oldest only if it is stuck
-            self._queue.put(None, timeout=timeout)
-        except queue.Full:
-            self._put(None)
+        self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
         self._thread.join(timeout)
         # The sender thread owns the sockets and closes them as it exits (ZMQ sockets must not be
         # used from two threads). A sender stuck past the timeout is a daemon: leave it be.
@@ -247,23 +328,19 @@ class KVEventPublisher:
 
     # -- background thread -------------------------------------------------------------------
 
-    def _put(self, item: _Batch | None) -> None:
-        while True:
-            try:
-                self._queue.put_nowait(item)
-                return
-            except queue.Full:
-                try:
-                    dropped = self._queue.get_nowait()
-                except queue.Empty:
-                    continue
-                if dropped is None:  # closing: the stop sentinel stays, this batch goes
-                    self._queue.put_nowait(None)
-                    dropped = item
-                with self._lock:
-                    self._dropped += 1
-                if dropped is item:
-                    return
+    def _next_batch(self) -> _Batch | None:
+        """The next batch to send (under the lock), skipping what lags too far behind or has
+        left the ring; None when everything published was sent."""
+        ring = self._ring
+        if self._next_send >= self._next_seq:
+            return None
+        first = max(self._next_seq - self._max_lag, ring[0].seq)
+        if self._next_send < first:
+            skipped = first - self._next_send
+            self._stats["dropped"] += skipped
+            self._stats["dropped_lag"] += skipped
+            self._next_send = first
+        return ring[self._next_send - ring[0].seq]
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -272,29 +349,45 @@ class KVEventPublisher:
         while True:
             if self._router is not None and poller.poll(0):
                 self._serve_replay()
+            with self._cond:
+                batch = self._next_batch()
+                if batch is None:
+                    if self._closed:
+                        break
+                    self._cond.wait(0.01)
+                    continue
             try:
-                item = self._queue.get(timeout=0.01)
-            except queue.Empty:
-                continue
-            if item is None:
-                self._pub.close(linger=1000)
-                if self._router is not None:
-                    self._router.close(linger=0)
-                return
-            self._pub.send_multipart([self.topic, item.seq.to_bytes(8, "big"), item.payload])
-            self._ring.append(item)
-            with self._lock:
-                self._sent += 1
+                self._pub.send_multipart(
+                    [self.topic, batch.seq.to_bytes(8, "big"), batch.payload], zmq.NOBLOCK)
+                key = "sent"
+            except zmq.Again:  # a subscriber's high-water mark is full
+                key = "dropped_hwm"
+            with self._cond:
+                self._stats[key] += 1
+                self._stats["dropped"] += key != "sent"
+                self._next_send = batch.seq + 1
+                self._cond.notify_all()
+        self._pub.close()
+        if self._router is not None:
+            self._router.close()
 
     def _serve_replay(self) -> None:
+        """Answers one replay request. The exchange (a DEALER client; a REQ socket would read only
+        the first reply): the client sends ``[b"", start_seq]`` (8 bytes, big-endian); the
+        reply is ``[b"", topic, seq, payload]`` for every buffered batch from ``start_seq`` on,
+        then the end marker ``[b"", b"", END_SEQ, b""]``. A malformed request gets the end marker
+        with the error text in its last frame."""
         frames = self._router.recv_multipart()
-        # A REQ client's request reaches the ROUTER as [identity, b"", start_seq].
+        identity = frames[0]
+        error = None
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-            return
-        identity, start = frames[0], int.from_bytes(frames[2], "big")
-        for batch in list(self._ring):
-            if batch.seq >= start:
-                self._router.send_multipart(
-                    [identity, b"", self.topic, batch.seq.to_bytes(8, "big"), batch.payload]
-                )
-        self._router.send_multipart([identity, b"", b"", END_SEQ, b""])
+            error = (b"replay request must be [b'', start_seq (8 bytes big-endian)] from a "
+                     b"DEALER socket")
+        with self._cond:
+            self._stats["replays" if error is None else "replay_errors"] += 1
+            batches = [] if error else [b for b in self._ring
+                                        if b.seq >= int.from_bytes(frames[2], "big")]
+        for batch in batches:
+            self._router.send_multipart(
+                [identity, b"", self.topic, batch.seq.to_bytes(8, "big"), batch.payload])
+        self._router.send_multipart([identity, b"", b"", END_SEQ, error or b""])

@@ -58,12 +58,13 @@ def test_events_carry_the_keys_and_recomputable_hashes():
     m = encode_event(first, "map")
     assert m["lora_name"] == "sql-adapter"
     assert m["extra_keys"] == [("sql-adapter", "tenant-a"), ("sql-adapter",), ("sql-adapter",)]
+    assert m["cache_salt"] == "tenant-a"  # Dynamo's field (its indexer ignores the extra keys)
     wire = msgpack.unpackb(encode_batch(1.0, [first], 0), raw=False)
     assert wire[1][0]["extra_keys"] == [["sql-adapter", "tenant-a"], ["sql-adapter"],
                                         ["sql-adapter"]]
     # Without extra keys the event is unchanged (no extra_keys field, lora_name None).
     plain = encode_event(KVEvent("BlockStored", [1], None, [1, 2], 2), "map")
-    assert "extra_keys" not in plain and plain["lora_name"] is None
+    assert "extra_keys" not in plain and "cache_salt" not in plain and plain["lora_name"] is None
     arr = encode_event(first, "array")
     assert arr[-1] == "sql-adapter", "the positional layout ends at lora_name"
 

@@ -1,6 +1,7 @@
 """The KV-event publisher speaks vLLM's wire format over real ZMQ sockets on 127.0.0.1."""
 
 import random
+import socket
 import threading
 import time
 
@@ -13,6 +14,7 @@ from atom_sched import KVEvent, SamplingParams, Scheduler, SchedulerConfig
 from atom_sched.kv_events import (
     END_SEQ,
     KVEventPublisher,
+    check_bind_endpoint,
     encode_batch,
     offset_endpoint_port,
 )
@@ -148,31 +150,158 @@ def test_golden_batch_over_the_wire_with_topic_and_continuous_sequence():
             sub.close()
 
 
-def test_full_queue_drops_the_oldest_and_the_gap_is_visible():
-    pub = KVEventPublisher(LOOPBACK, max_queue_size=2)
-    gate = threading.Event()
+def test_a_lagging_sender_skips_batches_but_replay_keeps_every_numbered_one():
+    """A sequence number is never lost: a batch the sender skips (it lagged more than
+    max_queue_size behind) stays in the replay ring, so a subscriber that sees the gap gets it
+    back (the old queue dropped numbered batches: the replay ring held [0, 3, 4])."""
+    pub = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, max_queue_size=2)
+    gate, inside = threading.Event(), threading.Event()
     real_send = pub._pub.send_multipart
     sent = []
 
-    def slow_send(frames):
+    def slow_send(frames, flags=0):
+        inside.set()
         gate.wait(5)
         sent.append(int.from_bytes(frames[1], "big"))
-        real_send(frames)
+        real_send(frames, flags)
 
     pub._pub.send_multipart = slow_send
     try:
         pub.publish(golden_events())  # seq 0: taken by the sender, which then blocks
-        deadline = time.time() + 2
-        while not pub._queue.empty() and time.time() < deadline:
-            time.sleep(0.005)
-        for _ in range(4):  # seqs 1..4 into a queue of 2: 1 and 2 are dropped
+        assert inside.wait(5)
+        for _ in range(4):  # seqs 1..4 while it is stuck: it may lag 2 behind, so 1, 2 are skipped
             pub.publish(golden_events())
-        assert pub.stats()["dropped"] == 2
         gate.set()
+        assert pub.flush()
+        st = pub.stats()
+        assert (st["sent"], st["dropped"], st["dropped_lag"], st["dropped_hwm"]) == (3, 2, 2, 0)
+        assert [s for s, _ in replay_dealer(pub.replay_endpoint, 0)] == [0, 1, 2, 3, 4]
     finally:
         pub.close()
     assert sent == [0, 3, 4]
-    assert pub.stats()["sent"] == 3
+
+
+def test_a_stalled_subscriber_costs_counted_drops_that_replay_recovers():
+    """ZMQ's own high-water-mark drops are counted: a subscriber that stops reading gets exactly
+    the batches stats() calls sent, in order, and the gaps are exactly the dropped ones, which the
+    replay socket still has."""
+    n = 600
+    tokens = list(range(1000, 5000))  # about 12 KB a batch: far beyond the socket buffers
+    with KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, hwm=4, buffer_steps=n + 10) as pub:
+        sub = Subscriber(pub.endpoint)
+        sub.sub.setsockopt(zmq.RCVHWM, 4)
+        try:
+            first = wait_joined(pub, sub)
+            for _ in range(n):
+                pub.publish([KVEvent("BlockStored", [7], None, tokens, 4000, "GPU")])
+            assert pub.flush(30)
+            st = pub.stats()
+            assert st["sent"] + st["dropped"] == st["next_seq"]
+            assert st["dropped_hwm"] == st["dropped"] > 0
+            got = []
+            while (msg := sub.recv(timeout_ms=500)) is not None:
+                got.append(msg[1])
+            assert got == sorted(got) and len(got) == st["sent"] - first - 1
+            gaps = sorted(set(range(first + 1, st["next_seq"])) - set(got))
+            assert len(gaps) == st["dropped"]
+            replayed = dict(replay_dealer(pub.replay_endpoint, gaps[0]))
+            assert set(gaps) <= set(replayed)
+        finally:
+            sub.close()
+
+
+def test_malformed_replay_requests_get_an_error_end_marker():
+    with KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK) as pub:
+        pub.publish(golden_events())
+        assert pub.flush()
+        ctx = zmq.Context()
+        try:
+            for frames in ([b"", b"\x00" * 7], [b"\x00" * 8], [b"", b"\x00" * 8, b"x"],
+                           [b"x", b"\x00" * 8]):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(pub.replay_endpoint)
+                sock.send_multipart(frames)
+                assert sock.poll(2000), f"no answer to {frames}"
+                reply = sock.recv_multipart()
+                assert reply[:3] == [b"", b"", END_SEQ] and b"DEALER" in reply[3]
+                sock.close()
+            # A frame over the size cap closes that connection inside ZMQ; replay still works.
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(pub.replay_endpoint)
+            sock.send_multipart([b"", b"\x00" * 100_000])
+            assert not sock.poll(300)
+            sock.close()
+        finally:
+            ctx.destroy(linger=0)
+        assert [s for s, _ in replay_dealer(pub.replay_endpoint, 0)] == [0]
+        st = pub.stats()
+        assert st["replay_errors"] == 4 and st["replays"] == 1
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://0.0.0.0:*", "tcp://*:*", "tcp://eth0:*",
+                                      "tcp://10.1.2.3:5557", "udp://127.0.0.1:5557"])
+def test_binds_are_loopback_only_unless_allowed(endpoint):
+    with pytest.raises(ValueError, match="loopback|tcp://"):
+        KVEventPublisher(endpoint)
+    with pytest.raises(ValueError, match="loopback|tcp://"):
+        KVEventPublisher(LOOPBACK, replay_endpoint=endpoint)
+    assert check_bind_endpoint("tcp://0.0.0.0:5557", allow_remote=True)
+    assert check_bind_endpoint("ipc:///tmp/kv") and check_bind_endpoint("tcp://localhost:1")
+
+
+def free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive free TCP ports on 127.0.0.1."""
+    for _ in range(50):
+        base = random.randrange(20_000, 60_000)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+def test_data_parallel_ranks_get_ports_that_cannot_collide():
+    p = free_port_run(4)
+    ep = f"tcp://127.0.0.1:{p}"
+    # Replay on P+1 with two ranks: rank 1's PUB would land on rank 0's replay port.
+    for rank in (0, 1):
+        with pytest.raises(ValueError, match="overlap"):
+            KVEventPublisher(ep, replay_endpoint=f"tcp://127.0.0.1:{p + 1}",
+                             data_parallel_rank=rank, data_parallel_size=2)
+    with pytest.raises(ValueError, match="overlap"):  # the size defaults to rank + 1
+        KVEventPublisher(ep, replay_endpoint=f"tcp://127.0.0.1:{p + 1}", data_parallel_rank=1)
+    with pytest.raises(ValueError, match="outside"):
+        KVEventPublisher(ep, data_parallel_rank=2, data_parallel_size=2)
+    # Replay ports from P+2: both ranks serve side by side, each on its own ports.
+    ranks = [KVEventPublisher(ep, replay_endpoint=f"tcp://127.0.0.1:{p + 2}", topic=f"r{r}",
+                              data_parallel_rank=r, data_parallel_size=2) for r in (0, 1)]
+    try:
+        assert [r.endpoint for r in ranks] == [f"tcp://127.0.0.1:{p + r}" for r in (0, 1)]
+        assert [r.replay_endpoint for r in ranks] == [f"tcp://127.0.0.1:{p + 2 + r}"
+                                                       for r in (0, 1)]
+        for r, pub in enumerate(ranks):
+            sub = Subscriber(pub.endpoint)
+            try:
+                wait_joined(pub, sub)  # its PUB port is its own
+            finally:
+                sub.close()
+            pub.publish(golden_events())
+            assert pub.flush()
+            batches = replay_dealer(pub.replay_endpoint, 0)
+            assert batches and all(msgpack.unpackb(b)[2] == r for _, b in batches)
+    finally:
+        for pub in ranks:
+            pub.close()
 
 
 def test_publishing_nothing_sends_nothing():
