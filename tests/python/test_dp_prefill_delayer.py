@@ -1,10 +1,11 @@
 """ATOM's PrefillDelayer protocol over a real torch.distributed gloo group: 2 to 4 processes on
-127.0.0.1, every decision path, and the veto never decoding a partial prefill (8.3)."""
+127.0.0.1 (a file store, so nothing listens beyond gloo's loopback sockets), every decision path,
+and the veto never decoding a partial prefill (8.3)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
+import tempfile
 
 import pytest
 
@@ -13,18 +14,12 @@ torch = pytest.importorskip("torch")
 from support.dp_scenarios import run_rank  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(world, scenario, *args, timeout=120):
     """Runs `scenario` on `world` ranks; returns the per-rank results, in rank order."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=run_rank, args=(r, world, port, scenario, args, results))
+    store = tempfile.mktemp(prefix="atom-sched-dp-")  # the ranks' rendezvous file
+    procs = [ctx.Process(target=run_rank, args=(r, world, store, scenario, args, results))
              for r in range(world)]
     for p in procs:
         p.start()

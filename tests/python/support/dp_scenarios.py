@@ -61,12 +61,13 @@ def veto_keeps_partial_prefills(rank):
             (state["num_computed_tokens"], state["prefill_target"])}
 
 
-def run_rank(rank, world, port, scenario, args, results):
+def run_rank(rank, world, store, scenario, args, results):
     import torch.distributed as dist
 
+    # Loopback only: a file store (a TCP store listens on every interface) and gloo on lo.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=world)
         try:
             results.put((rank, "ok", globals()[scenario](rank, *args)))
