@@ -63,6 +63,7 @@ class EngineConfig:
     ngram_max: int = 3
     ngram_min: int = 1
     seed: int = 0
+    enable_kv_events: bool = False  # record KV events (publish with set_kv_event_publisher)
     check_invariants: bool = False  # run Scheduler.check_invariants() after every update
     check_builder: bool = False  # check the builder's inputs against the host's exact rows
 
@@ -199,6 +200,7 @@ class LLMEngine:
             num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
             enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=True,
+            enable_kv_events=cfg.enable_kv_events,
             num_speculative_tokens=cfg.num_speculative_tokens, eos_token_id=self.eos_token_id,
             policy=cfg.policy, scheduling=cfg.scheduling,
             long_prefill_token_threshold=cfg.long_prefill_token_threshold)
@@ -214,6 +216,7 @@ class LLMEngine:
         self._pending: deque[_InFlight] = deque()
         self._next_id = 0
         self._kv_connector: Any = None
+        self._kv_publisher: Any = None
 
     # ---- requests ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
@@ -292,6 +295,18 @@ class LLMEngine:
         conn = self._kv_connector
         return (self.scheduler.has_unfinished_requests() or bool(self._pending)
                 or (conn is not None and conn.has_pending()))
+
+    # ---- KV events (KV-aware routing) -------------------------------------------------------
+    def set_kv_event_publisher(self, publisher: Any) -> None:
+        """Publish the scheduler's KV events after every step through ``publisher`` (an
+        :class:`atom_sched.kv_events.KVEventPublisher`, owned and closed by the caller); needs
+        ``EngineConfig(enable_kv_events=True)``. ``None`` detaches it."""
+        if publisher is not None:
+            if not self.sched_config.enable_kv_events:
+                raise ValueError("KV events need EngineConfig(enable_kv_events=True)")
+            if not callable(getattr(publisher, "publish_step", None)):
+                raise TypeError("the KV event publisher needs a publish_step(scheduler) method")
+        self._kv_publisher = publisher
 
     # ---- KV transfer (prefill/decode disaggregation) ----------------------------------------
     def set_kv_connector(self, connector: Any) -> None:
@@ -389,6 +404,8 @@ class LLMEngine:
                 and self.scheduler.has_unfinished_requests()):
             raise RuntimeError("scheduler has unfinished requests but schedules nothing with no "
                                "batch in flight (a broken None contract, docs/api.md)")
+        if self._kv_publisher is not None:
+            self._kv_publisher.publish_step(self.scheduler)
         return events
 
     def _launch(self, batch: Any) -> _InFlight:

@@ -23,9 +23,9 @@ import random
 
 import pytest
 from support import Driver, FakeModel, make_config, sp
-from support.dynamo_indexer import DynamoIndexer
 
 from atom_sched import KVEvent, Scheduler, block_hash, hash_namespace
+from atom_sched.dynamo_indexer import DynamoIndexer
 from atom_sched.kv_events import KVEventPublisher
 
 if not DynamoIndexer.available():

@@ -259,3 +259,21 @@ def test_sampler_filters_and_seeds():
     a = s(lg, pos, *args)
     assert a[0].tolist() == lg[:2].argmax(-1).tolist()
     assert (s(lg, pos, *args) == a).all()
+
+
+def test_kv_event_publisher_gets_every_steps_events(tiny):
+    from atom_sched.kv_events import KVEventPublisher
+
+    path, _ = tiny
+    off = _engine(path, False, 0)
+    with KVEventPublisher("tcp://127.0.0.1:*") as pub:
+        with pytest.raises(ValueError, match="enable_kv_events"):
+            off.set_kv_event_publisher(pub)
+        eng = _engine(path, False, 0, enable_kv_events=True)
+        with pytest.raises(TypeError, match="publish_step"):
+            eng.set_kv_event_publisher(object())
+        eng.set_kv_event_publisher(pub)
+        eng.generate(_prompts()[:2], GenerationParams(max_tokens=3))
+        assert pub.flush() and pub.stats()["next_seq"] > 0
+        assert eng.scheduler.take_events() == []  # the engine drained them every step
+        eng.set_kv_event_publisher(None)

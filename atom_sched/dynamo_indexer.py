@@ -1,5 +1,6 @@
 """NVIDIA Dynamo's standalone KV indexer (``python -m dynamo.indexer``, ai-dynamo-runtime 1.6.1)
-as a test fixture: a real KV-aware router's index, fed by our ``KVEventPublisher`` over ZMQ.
+run as a subprocess and queried over HTTP: a real KV-aware router's index, fed by our
+``KVEventPublisher`` over ZMQ (the router tests and ``examples/kv_routing.py`` use it).
 
 What the indexer does (read from its sources and checked against the installed 1.6.1 binary):
 
@@ -112,7 +113,7 @@ class DynamoIndexer:
 
     @staticmethod
     def available() -> bool:
-        """Whether ai-dynamo-runtime is installed (tests skip without it)."""
+        """Whether ai-dynamo-runtime is installed (``pip install ai-dynamo-runtime==1.6.1``)."""
         return importlib.util.find_spec("dynamo") is not None and (
             importlib.util.find_spec("dynamo.indexer") is not None
         )
