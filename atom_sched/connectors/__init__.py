@@ -3,6 +3,8 @@
 * :class:`LoopbackProducer` / :class:`LoopbackConsumer`: the prefill and decode sides of a
   connector pair that moves KV blocks between two :class:`atom_sched.engine.LLMEngine` s on one
   machine over ZMQ on 127.0.0.1 (the decode side pulls, as ATOM's MoRIIO and vLLM's NIXL do).
+* :class:`NixlProducer` / :class:`NixlConsumer`: the same pair with the KV moved by NVIDIA NIXL
+  one-sided READs (``pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1``).
 * :class:`DisaggPair`: both engines in two processes and the proxy between them.
 
 Needs the ``engine`` extra (torch). The names are imported lazily.
@@ -12,9 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DisaggPair", "LoopbackConsumer", "LoopbackProducer", "engine_worker"]
+__all__ = ["DisaggPair", "LoopbackConsumer", "LoopbackProducer", "NixlConsumer", "NixlProducer",
+           "engine_worker", "nixl_available"]
 
 _WHERE = {"LoopbackConsumer": "loopback", "LoopbackProducer": "loopback",
+          "NixlConsumer": "nixl", "NixlProducer": "nixl", "nixl_available": "nixl",
           "DisaggPair": "disagg", "engine_worker": "disagg"}
 
 

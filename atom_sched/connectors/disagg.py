@@ -1,5 +1,5 @@
 """Two engines in two processes on one machine: a prefill engine and a decode engine joined by
-the loopback connectors, and the proxy that routes each request through them.
+KV connectors (loopback or NIXL), and the proxy that routes each request through them.
 
 :class:`DisaggPair` starts both engines (``multiprocessing`` spawn), each with one torch thread by
 default, and serves prompts as a disaggregating proxy does (vLLM's toy proxy, ATOM's router):
@@ -34,29 +34,44 @@ from typing import Any
 __all__ = ["DisaggPair", "engine_worker"]
 
 
+TRANSPORTS = ("loopback", "nixl")
+
+
+def _connector(role: str, transport: str, kwargs: dict[str, Any]) -> Any:
+    if transport == "nixl":
+        from .nixl import NixlConsumer as Consumer
+        from .nixl import NixlProducer as Producer
+    elif transport == "loopback":
+        from .loopback import LoopbackConsumer as Consumer
+        from .loopback import LoopbackProducer as Producer
+    else:
+        raise ValueError(f"transport {transport!r}: one of {TRANSPORTS}")
+    if role == "prefill":
+        return Producer(**kwargs)
+    if role == "decode":
+        return Consumer(**kwargs)
+    raise ValueError(f"role {role!r}: 'prefill' or 'decode'")
+
+
 def engine_worker(pipe: Connection, role: str, model_path: str | None,
                   engine_config: dict[str, Any], threads: int = 1,
-                  connector_kwargs: dict[str, Any] | None = None) -> None:
-    """A process's main: an engine with a loopback connector (``role`` "prefill" or "decode"),
-    driven through ``pipe``. Commands: ``("add", rid, prompt_ids, GenerationParams,
-    kv_transfer_params)``, ``("release", transfer_id)``, ``("state",)``, ``("stop",)``. Replies:
-    ``("ready", info)``, ``("done", Completion)``, ``("added", rid, error_or_None)``,
-    ``("state", dict)``, ``("crash", traceback)``."""
+                  connector_kwargs: dict[str, Any] | None = None,
+                  transport: str = "loopback") -> None:
+    """A process's main: an engine with a KV connector (``role`` "prefill" or "decode",
+    ``transport`` "loopback" or "nixl"), driven through ``pipe``.
+
+    Commands: ``("add", rid, prompt_ids, GenerationParams, kv_transfer_params)``,
+    ``("release", transfer_id)``, ``("state",)``, ``("stop",)``. Replies: ``("ready", info)``,
+    ``("done", Completion)``, ``("added", rid, error_or_None)``, ``("state", dict)``,
+    ``("crash", traceback)``."""
     try:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from ..engine import EngineConfig, LLMEngine, set_threads
-        from .loopback import LoopbackConsumer, LoopbackProducer
 
         set_threads(threads)
         t0 = time.perf_counter()
         eng = LLMEngine(EngineConfig(**engine_config), model_path=model_path)
-        kw = dict(connector_kwargs or {})
-        if role == "prefill":
-            conn: Any = LoopbackProducer(**kw)
-        elif role == "decode":
-            conn = LoopbackConsumer(**kw)
-        else:
-            raise ValueError(f"role {role!r}: 'prefill' or 'decode'")
+        conn = _connector(role, transport, dict(connector_kwargs or {}))
         eng.set_kv_connector(conn)
         pipe.send(("ready", {"pid": os.getpid(), "port": getattr(conn, "port", None),
                              "load_seconds": time.perf_counter() - t0}))
@@ -117,14 +132,17 @@ class DisaggPair:
     """A prefill engine and a decode engine in two processes, and a proxy between them.
 
     ``prefill_config`` and ``decode_config`` are :class:`EngineConfig` keyword dicts (the block
-    size must be the same). Use as a context manager, or call :meth:`close`."""
+    size must be the same). ``transport``: "loopback" (the KV in ZMQ frames) or "nixl" (NIXL
+    READs). Use as a context manager, or call :meth:`close`."""
 
     def __init__(self, model_path: str | Path | None = None, *,
                  prefill_config: dict[str, Any] | None = None,
                  decode_config: dict[str, Any] | None = None, threads: int = 1,
                  producer_kwargs: dict[str, Any] | None = None,
                  consumer_kwargs: dict[str, Any] | None = None,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, transport: str = "loopback") -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r}: one of {TRANSPORTS}")
         ctx = mp.get_context("spawn")
         self.timeout_s = timeout_s  # for the engines to start, and for a call to finish
         self._procs: dict[str, Any] = {}
@@ -141,7 +159,8 @@ class DisaggPair:
             for role, (cfg, kw) in roles.items():
                 parent, child = ctx.Pipe()
                 p = ctx.Process(target=engine_worker, name=f"atom-sched-{role}",
-                                args=(child, role, path, dict(cfg), threads, kw), daemon=True)
+                                args=(child, role, path, dict(cfg), threads, kw, transport),
+                                daemon=True)
                 p.start()
                 child.close()
                 self._procs[role], self._pipes[role] = p, parent

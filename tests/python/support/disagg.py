@@ -8,9 +8,17 @@ import numpy as np
 import torch
 import transformers
 
-from atom_sched.connectors import LoopbackConsumer, LoopbackProducer
+from atom_sched.connectors import (
+    LoopbackConsumer,
+    LoopbackProducer,
+    NixlConsumer,
+    NixlProducer,
+    nixl_available,
+)
 from atom_sched.engine import EngineConfig, GenerationParams, LLMEngine
 
+TRANSPORTS = {"loopback": (LoopbackProducer, LoopbackConsumer),
+              "nixl": (NixlProducer, NixlConsumer)}
 TINY = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
             max_model_len=256, check_invariants=True, check_builder=True)
 
@@ -40,11 +48,12 @@ def tiny_case(tmp_path_factory):
 class Pair:
     """Both engines in one process; ``step()`` steps each once and forwards finished prefills."""
 
-    def __init__(self, path, prefill_kw=None, decode_kw=None):
+    def __init__(self, path, prefill_kw=None, decode_kw=None, transport="loopback"):
         self.pre = LLMEngine(EngineConfig(**dict(TINY, **(prefill_kw or {}))), model_path=path)
         self.dec = LLMEngine(EngineConfig(**dict(TINY, **(decode_kw or {}))), model_path=path)
-        self.prod = LoopbackProducer()
-        self.cons = LoopbackConsumer(secret=self.prod.secret)
+        producer, consumer = TRANSPORTS[transport]
+        self.prod = producer()
+        self.cons = consumer(secret=self.prod.secret)
         self.pre.set_kv_connector(self.prod)
         self.dec.set_kv_connector(self.cons)
         self.prompts: dict[int, tuple[list[int], GenerationParams]] = {}
