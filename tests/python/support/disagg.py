@@ -13,7 +13,6 @@ from atom_sched.connectors import (
     LoopbackProducer,
     NixlConsumer,
     NixlProducer,
-    nixl_available,
 )
 from atom_sched.engine import EngineConfig, GenerationParams, LLMEngine
 

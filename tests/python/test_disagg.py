@@ -1,5 +1,6 @@
-"""Prefill/decode disaggregation with real engines: the loopback connectors move the KV of every
-layer from a prefill engine to a decode engine over ZMQ on 127.0.0.1.
+"""Prefill/decode disaggregation with real engines: the KV connectors move the KV of every layer
+from a prefill engine to a decode engine on 127.0.0.1, in ZMQ frames (loopback) or by NIXL READs
+(every equality test runs on both).
 
 * With SmolLM2-135M-Instruct, in two processes (``DisaggPair``: multiprocessing spawn, one torch
   thread each): chat prompts with shared prefixes, all longer than a block, are prefilled by one
@@ -69,7 +70,8 @@ def smollm2():
     return weights.ensure_cached().path
 
 
-def test_two_process_disaggregation_equals_one_engine(smollm2):
+@pytest.mark.parametrize("transport", ["loopback", "nixl"])
+def test_two_process_disaggregation_equals_one_engine(smollm2, transport):
     t_start = time.perf_counter()
     ref_engine = LLMEngine(EngineConfig(**REAL), model_path=smollm2)
     ids = [ref_engine.encode_prompt(p) for p in PROMPTS]
@@ -81,7 +83,8 @@ def test_two_process_disaggregation_equals_one_engine(smollm2):
     t_ref = time.perf_counter()
 
     a, c, b = 0, 1, 2  # request ids = prompt indices
-    with DisaggPair(smollm2, prefill_config=REAL, decode_config=REAL, threads=1) as pair:
+    with DisaggPair(smollm2, prefill_config=REAL, decode_config=REAL, threads=1,
+                    transport=transport) as pair:
         t_up = time.perf_counter()
         # 1. Prefill A and C only: T0 is the single engine's first token; their blocks are held.
         pre = pair.prefill([ids[a], ids[c]], greedy, request_ids=[a, c])
@@ -115,7 +118,11 @@ def test_two_process_disaggregation_equals_one_engine(smollm2):
         received, alloc = by_tid(dst["log"], "received"), by_tid(dst["log"], "alloc")
         for rid in (a, c):
             # The same clock (CLOCK_MONOTONIC) in both processes: served, received, then freed.
-            assert served[rid][0] <= received[rid][0] <= released[rid][0]
+            # (NIXL: the READ is posted, then its notification tells the producer.)
+            if transport == "loopback":
+                assert served[rid][0] <= received[rid][0] <= released[rid][0]
+            else:
+                assert by_tid(dst["log"], "read")[rid][0] <= served[rid][0] <= released[rid][0]
             assert released[rid][1] == "acked"
             # Every layer's K and V of the blocks the decode side's prefix cache lacked (C may
             # find the system prompt's block there if A's KV landed before C was admitted):
@@ -175,10 +182,11 @@ MODES = [("sync", {}, {}), ("one-step-ahead", {}, {"one_step_ahead": True}),
          ("mixed", {"policy": "mixed"}, {"policy": "mixed", "num_speculative_tokens": 2})]
 
 
+@pytest.mark.parametrize("transport", ["loopback", "nixl"])
 @pytest.mark.parametrize("name,prefill_kw,decode_kw", MODES, ids=[m[0] for m in MODES])
-def test_in_process_pair_equals_one_engine(tiny, name, prefill_kw, decode_kw):
+def test_in_process_pair_equals_one_engine(tiny, name, prefill_kw, decode_kw, transport):
     path, prompts, params, ref = tiny
-    pair = Pair(path, prefill_kw, decode_kw)
+    pair = Pair(path, prefill_kw, decode_kw, transport)
     try:
         for rid, p in enumerate(prompts[:2]):
             pair.submit(rid, p, params)
