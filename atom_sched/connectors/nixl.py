@@ -153,9 +153,15 @@ class NixlProducer(ProducerBase):
                                  "layout": self._agent.layout()})
 
     def _collect_notifs(self) -> None:
-        if self._agent is not None:
-            for name, msgs in self._agent.agent.get_new_notifs().items():
-                self._notifs += [(str(name), bytes(m)) for m in msgs]
+        if self._agent is None:
+            return
+        try:
+            notifs = self._agent.agent.get_new_notifs()
+        except Exception as e:  # noqa: BLE001 - never out of poll(): a peer's fault is logged
+            logger.warning("%s: NIXL notifications: %s", self.engine_id, e)
+            return
+        for name, msgs in notifs.items():
+            self._notifs += [(str(name), bytes(m)) for m in msgs]
 
     def _wait(self, timeout_ms: int) -> None:
         # Notifications have no file descriptor to wait on: look for them every millisecond.
