@@ -1,0 +1,625 @@
+"""AMD ATOM's scheduler API over the atom_sched core: replace
+``from atom.model_engine.scheduler import Scheduler, ScheduledBatch, ScheduledBatchOutput`` (and
+``SpecStats``, ``CacheStats``) by ``from atom_sched.compat.atom import ...`` (docs/atom.md).
+
+ATOM's engine keeps calling ``schedule()`` -> its ModelRunner's ``forward(batch)`` ->
+``postprocess(seqs, fwd_output, ...)``. In production the runner's outputs are *deferred*: each
+forward returns the previous batch's tokens. Here that is the core's one-step-ahead protocol:
+``schedule()`` schedules batch t while batch t-1 is in flight, and ``postprocess`` hands the
+outputs it receives to ``update()`` of the batch they belong to (with non-deferred outputs, the
+batch just scheduled). The engine's ``Sequence`` objects stay the engine's: the core decides, and
+this layer writes the results into them (status, block table, tokens at each output, finish).
+
+What the runner reads keeps ATOM's meaning, so ATOM's ModelRunner builds the same device inputs:
+``context_lens`` of a decode row whose previous step is still in flight is the context if every
+token of that step is accepted (the runner subtracts the fresh ``num_rejected``, as ATOM's
+placeholder count does); ``scheduled_tokens`` hold the EOS id where only the device knows the
+token, as ATOM's placeholders; ``block_tables`` are the sequences' own ``block_table`` lists.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._core import SamplingParams as CoreParams
+from .._core import Scheduler as CoreScheduler
+from .._core import SchedulerConfig
+
+__all__ = ["CacheStats", "RequestOutput", "ScheduledBatch", "ScheduledBatchOutput", "Scheduler",
+           "SpecStats"]
+
+logger = logging.getLogger("atom_sched.compat.atom")
+
+
+# ---- statistics (ATOM's SpecStats and CacheStats, spec 5.1 and 5.2) ------------------------------
+class SpecStats:
+    """Draft acceptance of speculative decoding, as ATOM counts it: ``update(a)`` once per decode
+    output of a request, ``a`` its accepted tokens (1..K+1)."""
+
+    def __init__(self, mtp_k: int, log_interval: int = 1000) -> None:
+        self.mtp_k = mtp_k
+        self.log_interval = log_interval
+        self.reset()
+
+    def update(self, num_accepted_tokens: int) -> None:
+        a = int(num_accepted_tokens)
+        if not 1 <= a <= self.mtp_k + 1:
+            raise KeyError(a)
+        self.total_draft_tokens += self.mtp_k
+        self._interval_draft_tokens += self.mtp_k
+        self.distribution[a - 1] += 1
+        self._interval_distribution[a - 1] += 1
+        if self.total_draft_tokens % (self.log_interval * self.mtp_k) == 0:
+            self._log()
+            self._reset_interval()
+
+    @property
+    def total_accepted(self) -> int:
+        return sum(k * v for k, v in self.distribution.items())
+
+    @property
+    def total_steps(self) -> int:
+        return sum(self.distribution.values())
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.total_accepted / self.total_draft_tokens if self.total_draft_tokens else 0.0
+
+    def get_statistics(self) -> dict[str, Any]:
+        return {"total_draft_tokens": self.total_draft_tokens,
+                "total_accepted_tokens": self.total_accepted,
+                "acceptance_rate": self.acceptance_rate,
+                "distribution": dict(self.distribution)}
+
+    def reset(self) -> None:
+        self.total_draft_tokens = 0
+        self.distribution = dict.fromkeys(range(self.mtp_k + 1), 0)
+        self._reset_interval()
+
+    def _reset_interval(self) -> None:
+        self._interval_draft_tokens = 0
+        self._interval_distribution = dict.fromkeys(range(self.mtp_k + 1), 0)
+
+    def _log(self) -> None:
+        logger.info("[MTP Stats] %d draft tokens, %d accepted, acceptance rate %.3f",
+                    self.total_draft_tokens, self.total_accepted, self.acceptance_rate)
+
+
+class CacheStats:
+    """Prefix-cache hits of admitted prompts: ``update(cached, full)`` once per admission."""
+
+    def __init__(self, log_interval: int = 100) -> None:
+        self.log_interval = log_interval
+        self.total_requests = self.total_cached_tokens = self.total_full_tokens = 0
+        self._reset_interval()
+
+    def update(self, num_cached_tokens: int, num_full_tokens: int) -> None:
+        self.total_requests += 1
+        self.total_cached_tokens += int(num_cached_tokens)
+        self.total_full_tokens += int(num_full_tokens)
+        self._interval_requests += 1
+        self._interval_cached += int(num_cached_tokens)
+        self._interval_full += int(num_full_tokens)
+        if self._interval_requests >= self.log_interval:
+            logger.info("[Cache Stats] prefix hit rate %.3f over %d requests",
+                        self._interval_cached / max(1, self._interval_full),
+                        self._interval_requests)
+            self._reset_interval()
+
+    @property
+    def hit_rate(self) -> float:
+        return self.total_cached_tokens / self.total_full_tokens if self.total_full_tokens else 0.0
+
+    def _reset_interval(self) -> None:
+        self._interval_requests = self._interval_cached = self._interval_full = 0
+
+
+# ---- what the runner gets and gives back ---------------------------------------------------------
+@dataclass
+class RequestOutput:
+    """ATOM's streamed output of one request in one step (``request.RequestOutput``)."""
+
+    request_id: int
+    output_tokens: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    kv_transfer_params_output: dict[str, Any] | None = None
+    num_cached_tokens: int = 0
+
+
+class ScheduledBatchOutput:
+    """ATOM's runner-to-scheduler contract (spec 1.5): per request of ``req_ids`` (the batch the
+    outputs belong to), ``token_ids[i]`` its accepted tokens, ``num_rejected``/``num_bonus`` and
+    ``draft_token_ids`` (K > 0)."""
+
+    def __init__(self, req_ids: list[int], token_ids: list[tuple[int, ...]],
+                 num_rejected: np.ndarray | None, num_bonus: np.ndarray | None,
+                 draft_token_ids: np.ndarray | None, is_deferred_out: bool = False,
+                 is_prev_prefill: bool = False, logprobs: dict[int, float] | None = None) -> None:
+        self.req_ids = req_ids
+        self.token_ids = token_ids
+        self.num_rejected = num_rejected
+        self.num_bonus = num_bonus
+        self.draft_token_ids = draft_token_ids
+        self.is_deferred_out = is_deferred_out
+        self.is_prev_prefill = is_prev_prefill
+        self.logprobs = logprobs
+        self._req_id_to_idx: dict[int, int] | None = None
+
+    def get_idx(self, req_id: int) -> int | None:
+        if self._req_id_to_idx is None:
+            self._req_id_to_idx = {rid: i for i, rid in enumerate(self.req_ids)}
+        return self._req_id_to_idx.get(req_id)
+
+
+@dataclass
+class ScheduledBatch:
+    """What ATOM's ModelRunner reads, with ATOM's names, dtypes and meaning (spec 3.8)."""
+
+    req_ids: list[int] = field(default_factory=list)
+    num_scheduled_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    temperatures: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    top_ks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    top_ps: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    return_logprobs: list[bool] = field(default_factory=list)
+    needs_independent_noise: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    num_rejected: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    num_bonus: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    num_cached_tokens: list[int] = field(default_factory=list)
+    context_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    scheduled_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    block_tables: list[list[int]] = field(default_factory=list)
+    last_block_num_tokens: list[int] = field(default_factory=list)
+    per_req_cache_groups: list[int] = field(default_factory=list)
+    is_first_decode_without_local_prefill: list[bool] = field(default_factory=list)
+    mrope_positions_by_req: dict[int, Any] = field(default_factory=dict)
+    mrope_position_deltas: dict[int, int] = field(default_factory=dict)
+    has_mrope: bool = False
+    multimodal_data: dict[int, Any] = field(default_factory=dict)
+    external_request_ids: list[Any] = field(default_factory=list)
+    total_tokens_num: int = 0
+    total_tokens_num_prefill: int = 0
+    total_tokens_num_decode: int = 0
+    total_seqs_num: int = 0
+    total_seqs_num_prefill: int = 0
+    total_seqs_num_decode: int = 0
+    connector_meta_output: Any = None
+    is_dummy_run: bool = False
+    num_spec_step: int = 0
+    remote_kv_block_ids: list[int] = field(default_factory=list)
+    remote_kv_seq_blocks: dict[int, list[int]] = field(default_factory=dict)
+    finished_recving_kv_req_ids: list[int] = field(default_factory=list)
+    # scheduled_spec_decode_tokens (int32 [rows with drafts, K]) is set on decode batches only.
+
+
+@dataclass
+class _Forwarded:
+    """A batch handed to the runner whose outputs have not come back: ``core`` is the core's
+    batch, or None for a flush batch (see ``Scheduler._flush_batch``)."""
+
+    core: Any
+    req_ids: list[int]
+
+
+def _enum_member(current: Any, name: str) -> Any:
+    """``name`` of the enum ``current`` belongs to: the engine's own SequenceStatus/Type."""
+    return type(current)[name]
+
+
+class Scheduler:
+    """ATOM's ``Scheduler(config)`` over the core (docs/atom.md). ``config`` is ATOM's Config or
+    any object with its attribute names."""
+
+    def __init__(self, config: Any) -> None:
+        spec = getattr(config, "speculative_config", None)
+        self.mtp_k = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec else 0
+        self.use_spec = spec is not None
+        self.block_size = int(config.kv_cache_block_size)
+        self.eos_token_id = int(getattr(config, "eos_token_id", -1))
+        self.bos_token_id = int(getattr(config, "bos_token_id", -1))
+        self.stop_token_ids = [int(t) for t in getattr(config, "stop_token_ids", None) or []]
+        self.max_num_seqs = int(config.max_num_seqs)
+        self.max_num_batched_tokens = int(config.max_num_batched_tokens)
+        self.max_model_len = int(config.max_model_len)
+        self.enable_chunked_prefill = bool(getattr(config, "enable_chunked_prefill", True))
+        prefix = bool(getattr(config, "enable_prefix_caching", True))
+        events = getattr(config, "kv_events_config", None)
+        events_on = bool(getattr(events, "enable_kv_cache_events", False))
+        # ATOM's pool holds num_kvcache_blocks ids; block 0 of them is the core's null block
+        # (never handed out: padded block-table entries point at it).
+        self.config = SchedulerConfig(
+            num_blocks=int(config.num_kvcache_blocks), block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, enable_prefix_caching=prefix,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            num_speculative_tokens=self.mtp_k, eos_token_id=self.eos_token_id,
+            stop_token_ids=self.stop_token_ids,
+            scheduler_delay_factor=float(getattr(config, "scheduler_delay_factor", 0.0) or 0.0),
+            enable_kv_events=events_on)
+        self._core = CoreScheduler(self.config)
+        self._enable_tbo = bool(getattr(config, "enable_tbo", False))
+        self._seqs: dict[int, Any] = {}  # live sequences (waiting or running) by id
+        self._running: set[int] = set()
+        self._rejected: list[Any] = []
+        self._forwarded: deque[_Forwarded] = deque()
+        self._preemptions = 0
+        # Per device slot (0..max_num_seqs-1): the sequence admitted there and what the batch
+        # copies from it each step, so a step touches only the rows that changed.
+        self._slot_seq: list[Any] = [None] * self.max_num_seqs
+        self._slot_logprobs = np.zeros(self.max_num_seqs, bool)
+        self._slot_noise = np.zeros(self.max_num_seqs, bool)
+        self._slot_nblocks = np.zeros(self.max_num_seqs, np.int32)  # len(seq.block_table)
+        self._slot_prefill = np.zeros(self.max_num_seqs, bool)  # the row kind last scheduled
+        self._slot_ntokens = np.zeros(self.max_num_seqs, np.int64)  # tokens known on the host
+        self._slot_of: dict[int, int] = {}  # sequence id -> its slot while running
+        self.spec_stats = SpecStats(self.mtp_k) if self.use_spec and self.mtp_k else None
+        self.cache_stats = CacheStats() if prefix else None
+        self.prefill_delayer: Any = None
+        self._publisher = self._make_publisher(events) if events_on else None
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add(self, seq: Any) -> None:
+        """Queue an engine ``Sequence`` (ATOM's fields: ``id``, ``token_ids``, ``num_tokens``,
+        sampling fields, ``stop_token_sequences``...). Bad fields raise ValueError/TypeError and
+        queue nothing."""
+        sid = seq.id
+        if type(sid) is not int or sid < 0:
+            raise ValueError(f"sequence id must be a non-negative int, got {sid!r}")
+        if sid in self._seqs:
+            raise ValueError(f"sequence {sid} is already queued")
+        params = CoreParams(
+            temperature=float(seq.temperature), top_k=int(seq.top_k), top_p=float(seq.top_p),
+            max_tokens=int(seq.max_tokens), ignore_eos=bool(seq.ignore_eos),
+            logprobs=bool(getattr(seq, "return_logprobs", False)),
+            stop_token_sequences=[list(s) for s in (seq.stop_token_sequences or [])])
+        tokens = list(seq.token_ids[: seq.num_tokens])
+        arrive = float(getattr(seq, "arrive_time", 0.0) or 0.0)
+        self._core.add_request(sid, tokens, params, arrival_time=arrive if arrive > 0 else None)
+        self._seqs[sid] = seq
+
+    def extend(self, seqs: Iterable[Any]) -> None:
+        for seq in seqs:
+            self.add(seq)
+
+    def take_rejected(self) -> list[Any]:
+        """Sequences the core refused (``leave_reason`` says why), once."""
+        out, self._rejected = self._rejected, []
+        for r in self._core.take_rejected():
+            seq = self._seqs.pop(r.request_id)
+            seq.status = _enum_member(seq.status, "FINISHED")
+            seq.leave_reason = r.reason
+            out.append(seq)
+        return out
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> tuple[ScheduledBatch, dict[int, Any]] | None:
+        """The next batch and its sequences by id (row order); None when no request is waiting
+        or running. The batch may be empty (the engine then skips the forward)."""
+        allow = self._ask_prefill_delayer()
+        core = self._core
+        if not core.has_unfinished_requests() and not self._forwarded:
+            return None
+        b = core.schedule(allow_prefill=allow) if core.num_outstanding_batches < 2 else None
+        self._sync_preemptions()
+        if b is None:
+            return self._flush_batch()
+        batch, seqs = self._build(b)
+        self._forwarded.append(_Forwarded(b, batch.req_ids))
+        return batch, seqs
+
+    def postprocess(self, seqs: Iterable[Any], fwd_output: ScheduledBatchOutput,
+                    stream_output_queue: Any = None, batch: Any = None) -> list[Any]:
+        """Hand the runner's outputs to the batch they belong to (the oldest one forwarded:
+        deferred outputs belong to the batch before the one just run); stream each request's new
+        tokens to ``stream_output_queue`` as ATOM does (one list of ``(id, RequestOutput)`` per
+        step); return the sequences that finished."""
+        if not fwd_output.req_ids:
+            return []  # the first deferred forward has nothing to give back yet
+        if not self._forwarded:
+            raise ValueError("postprocess: outputs for no forwarded batch")
+        fwd = self._forwarded[0]
+        if list(fwd_output.req_ids) != fwd.req_ids:
+            raise ValueError("postprocess: the outputs' req_ids are not those of the oldest "
+                             "forwarded batch (outputs lost or reordered)")
+        b = fwd.core
+        if b is not None:  # (a flush batch's rows ended with the batch before it: dropped)
+            # Checked first, then applied: a refused output changes nothing.
+            out = self._core.update(b, *self._update_args(b, fwd_output))
+        self._forwarded.popleft()
+        return [] if b is None else self._deliver(out, b, fwd_output, stream_output_queue)
+
+    # ---- building the batch -------------------------------------------------------------------
+    def _build(self, b: Any) -> tuple[ScheduledBatch, dict[int, Any]]:
+        n = b.num_rows
+        bs = self.block_size
+        slots = b.request_slots
+        prev_prefill = self._slot_prefill[slots]  # the kind of each row's previous row
+        self._sync_rows(b)
+        is_prefill = b.row_is_prefill
+        ctx = b.context_lens.copy()
+        inexact = ~b.row_exact & ~is_prefill
+        if inexact.any():
+            ctx[inexact] = self._atom_context(self._slot_ntokens[slots[inexact]],
+                                              prev_prefill[inexact])
+        nsched = b.num_scheduled_tokens.copy()
+        nblocks = -(-ctx // bs)
+        seq_of = self._slot_seq
+        slot_list = slots.tolist()
+        req_ids = b.req_ids.tolist()
+        st = b.scheduled_tokens
+        batch = ScheduledBatch(
+            req_ids=req_ids, num_scheduled_tokens=nsched,
+            temperatures=b.temperatures.copy(), top_ks=b.top_ks.copy(), top_ps=b.top_ps.copy(),
+            return_logprobs=self._slot_logprobs[slots].tolist(),
+            needs_independent_noise=self._slot_noise[slots],
+            num_rejected=np.zeros(n, np.int32), num_bonus=np.zeros(n, np.int32),
+            num_cached_tokens=b.num_cached_tokens.tolist(), context_lens=ctx,
+            # The EOS id where only the device knows the token, as ATOM's placeholders.
+            scheduled_tokens=np.where(st < 0, np.int32(self.eos_token_id), st).astype(np.int32),
+            block_tables=[seq_of[s].block_table for s in slot_list],
+            last_block_num_tokens=(ctx - (nblocks - 1) * bs).tolist(),
+            is_first_decode_without_local_prefill=[False] * n,
+            external_request_ids=[getattr(seq_of[s], "external_request_id", None)
+                                  for s in slot_list],
+            total_tokens_num=int(nsched.sum()),
+            total_tokens_num_prefill=int(nsched[is_prefill].sum()),
+            total_tokens_num_decode=int(nsched[~is_prefill].sum()),
+            total_seqs_num=n, total_seqs_num_prefill=int(is_prefill.sum()),
+            total_seqs_num_decode=int(n - is_prefill.sum()),
+            num_spec_step=0 if b.is_prefill else self.mtp_k)
+        if not b.is_prefill and self.mtp_k > 0:
+            drafts = b.spec_draft_tokens
+            batch.scheduled_spec_decode_tokens = drafts[drafts[:, 0] >= 0].copy()
+        return batch, {rid: seq_of[s] for rid, s in zip(req_ids, slot_list, strict=True)}
+
+    def _atom_context(self, known: np.ndarray, after_prefill: np.ndarray) -> np.ndarray:
+        """``context_lens`` of a decode row scheduled while its request's previous row is in
+        flight, as ATOM's host counts it: the ``known`` tokens, the previous row's outputs if
+        all are accepted (1 after a prefill, K+1 after a decode) and this row's K drafts. ATOM's
+        runner subtracts that row's fresh ``num_rejected`` and gets the true context."""
+        k = self.mtp_k
+        return (known + 1 + k + np.where(after_prefill, 0, k)).astype(np.int32)
+
+    def _sync_rows(self, b: Any) -> None:
+        """Write what changed this step into the rows' sequences: admissions (status), the row
+        kind (type), prefill progress, and blocks added or released. Only those rows are
+        visited: a steady decode step touches a few."""
+        if b.num_rows == 0:
+            return
+        reset, is_prefill = b.slot_reset, b.row_is_prefill
+        starts, offs, ids = b.new_block_starts, b.new_block_offsets, b.new_block_ids
+        slots = b.request_slots
+        changed = (reset | is_prefill | (self._slot_prefill[slots] != is_prefill)
+                   | (offs[1:] > offs[:-1]) | (starts != self._slot_nblocks[slots]))
+        for i in np.flatnonzero(changed).tolist():
+            slot = int(slots[i])
+            seq = self._seqs[int(b.req_ids[i])]
+            if reset[i]:
+                self._admit(seq, slot)
+            table = seq.block_table
+            del table[int(starts[i]):]
+            table.extend(ids[offs[i]:offs[i + 1]].tolist())
+            self._slot_nblocks[slot] = len(table)
+            self._slot_prefill[slot] = is_prefill[i]
+            seq.type = _enum_member(seq.type, "PREFILL" if is_prefill[i] else "DECODE")
+            if is_prefill[i]:
+                seq.num_cached_tokens = int(b.num_cached_tokens[i])
+
+    def _admit(self, seq: Any, slot: int) -> None:
+        seq.status = _enum_member(seq.status, "RUNNING")
+        seq.block_table.clear()
+        self._running.add(seq.id)
+        self._slot_of[seq.id] = slot
+        self._slot_seq[slot] = seq
+        self._slot_ntokens[slot] = seq.num_tokens
+        self._slot_logprobs[slot] = bool(getattr(seq, "return_logprobs", False))
+        self._slot_noise[slot] = bool(getattr(seq, "needs_independent_noise", False))
+
+    def _sync_preemptions(self) -> None:
+        """Sequences the core preempted go back to WAITING without blocks, as ATOM's preempt."""
+        n = int(self._core.stats()["num_preemptions"])
+        if n == self._preemptions:
+            return
+        self._preemptions = n
+        running = set(self._core.running_ids())
+        for sid in [s for s in self._running if s not in running]:
+            self._running.discard(sid)
+            seq = self._seqs[sid]
+            seq.status = _enum_member(seq.status, "WAITING")
+            seq.block_table.clear()
+            seq.num_cached_tokens = 0
+
+    def _flush_batch(self) -> tuple[ScheduledBatch, dict[int, Any]]:
+        """The core has nothing to run, but a batch's outputs are still in the runner: a deferred
+        runner gives them back only with its next forward. When that batch's requests end with
+        those outputs by a length rule (why the core gave them no row), ATOM would run them once
+        more and drop the results; this batch does that: one decode row per such request, its
+        KV written past the request's blocks into the null block."""
+        if not self._forwarded or self._forwarded[-1].core is None:
+            return ScheduledBatch(), {}
+        b = self._forwarded[-1].core
+        rows = [i for i, rid in enumerate(b.req_ids.tolist())
+                if rid in self._running and self._ends_by_length(self._seqs[rid])]
+        if not rows:
+            logger.warning("nothing to schedule while a batch is in flight and its requests go "
+                           "on: a deferred runner holds their outputs until the next forward")
+            return ScheduledBatch(), {}
+        q, bs, n = self.mtp_k + 1, self.block_size, len(rows)
+        req_ids = [int(b.req_ids[i]) for i in rows]
+        seqs = {rid: self._seqs[rid] for rid in req_ids}
+        known = np.array([seqs[rid].num_tokens for rid in req_ids], np.int64)
+        ctx = self._atom_context(known, b.row_is_prefill[rows])
+        tables = [seqs[rid].block_table + [0] * (-(-int(c) // bs) - len(seqs[rid].block_table))
+                  for rid, c in zip(req_ids, ctx.tolist(), strict=True)]
+        batch = ScheduledBatch(
+            req_ids=req_ids, num_scheduled_tokens=np.full(n, q, np.int32),
+            temperatures=b.temperatures[rows].copy(), top_ks=b.top_ks[rows].copy(),
+            top_ps=b.top_ps[rows].copy(), return_logprobs=[False] * n,
+            needs_independent_noise=np.zeros(n, bool), num_rejected=np.zeros(n, np.int32),
+            num_bonus=np.zeros(n, np.int32), num_cached_tokens=(ctx - q).tolist(),
+            context_lens=ctx, scheduled_tokens=np.full(n * q, self.eos_token_id, np.int32),
+            block_tables=tables, last_block_num_tokens=(ctx - (-(-ctx // bs) - 1) * bs).tolist(),
+            is_first_decode_without_local_prefill=[False] * n,
+            external_request_ids=[getattr(s, "external_request_id", None) for s in seqs.values()],
+            total_tokens_num=n * q, total_tokens_num_decode=n * q, total_seqs_num=n,
+            total_seqs_num_decode=n, num_spec_step=self.mtp_k)
+        if self.mtp_k > 0:
+            batch.scheduled_spec_decode_tokens = np.zeros((0, self.mtp_k), np.int32)
+        self._forwarded.append(_Forwarded(None, req_ids))
+        return batch, seqs
+
+    def _ends_by_length(self, seq: Any) -> bool:
+        """Whether the output in flight ends ``seq`` whatever it is: ``max_tokens``, or the
+        position limit (``max_model_len``, the pool's capacity). The core's rule for not giving
+        such a request another row (docs/api.md, Policy step 4)."""
+        generated = seq.num_tokens - seq.num_prompt_tokens
+        limit = min(self.max_model_len, (self.config.num_blocks - 1) * self.block_size)
+        return generated + 1 >= seq.max_tokens or seq.num_tokens + 1 >= limit
+
+    # ---- outputs ------------------------------------------------------------------------------
+    def _update_args(self, b: Any, out: ScheduledBatchOutput) -> tuple[Any, ...]:
+        """``update()``'s arrays from ATOM's outputs (checked: ValueError names what is wrong)."""
+        n, k = b.num_rows, self.mtp_k
+        if len(out.token_ids) != n:
+            raise ValueError(f"postprocess: {len(out.token_ids)} token rows for {n} requests")
+        width = k + 1
+        sampled = np.zeros((n, width), np.int32)
+        accepted = np.ones(n, np.int32)
+        nsched = b.num_scheduled_tokens
+        for i, toks in enumerate(out.token_ids):
+            m = len(toks)
+            if not 1 <= m <= (1 if b.row_is_prefill[i] else int(nsched[i])):
+                raise ValueError(f"postprocess: request {out.req_ids[i]} got {m} tokens")
+            sampled[i, :m] = toks
+            accepted[i] = m
+        if k == 0:
+            return (sampled[:, 0],)
+        drafts = out.draft_token_ids
+        if drafts is None or len(drafts) == 0:
+            drafts = np.full((n, k), -1, np.int32)
+        drafts = np.asarray(drafts, dtype=np.int32).reshape(n, k)
+        return sampled, (None if b.is_prefill else accepted), drafts
+
+    def _deliver(self, out: Any, b: Any, fwd_output: ScheduledBatchOutput,
+                 stream: Any) -> list[Any]:
+        """Write a step's outputs into the sequences; stream them; return the finished ones."""
+        now = time.time()
+        finished = []
+        stream_items = []
+        ids, offs, toks = out.request_ids, out.token_offsets, out.new_tokens
+        done, cached = out.finished, out.num_cached_tokens
+        k = self.mtp_k
+        drafts = fwd_output.draft_token_ids if k else None
+        for i, sid in enumerate(ids.tolist()):
+            seq = self._seqs[sid]
+            new = toks[offs[i]:offs[i + 1]].tolist()
+            seq.token_ids[seq.num_tokens:] = new
+            seq.output_tokens.extend(new)
+            seq.num_tokens += len(new)
+            self._slot_ntokens[self._slot_of[sid]] = seq.num_tokens
+            idx = fwd_output.get_idx(sid)
+            if k and idx is not None:
+                a = len(fwd_output.token_ids[idx])
+                decode = not b.row_is_prefill[idx]
+                seq.num_bonus_tokens = a - 1
+                seq.num_rejected = k + 1 - a if decode else 0
+                if drafts is not None and len(drafts):
+                    seq.spec_token_ids = np.asarray(drafts[idx], dtype=np.int32)
+                if self.spec_stats is not None and decode:
+                    self.spec_stats.update(a)
+            if getattr(seq, "first_token_time", 0) == 0 and new:
+                seq.first_token_time = now
+                seq.prefix_cache_hit_tokens = int(cached[i])
+                if self.cache_stats is not None:
+                    self.cache_stats.update(int(cached[i]), seq.num_prompt_tokens)
+            reason = out.finish_reason(i) if done[i] else None
+            if reason is not None:
+                self._finish(seq, reason, now)
+                finished.append(seq)
+            if stream is not None and new:
+                stream_items.append((sid, RequestOutput(
+                    sid, new, reason is not None, reason, None, int(cached[i]))))
+        if stream is not None and stream_items:
+            stream.put_nowait(stream_items)
+        return finished
+
+    def _finish(self, seq: Any, reason: str, now: float) -> None:
+        seq.status = _enum_member(seq.status, "FINISHED")
+        seq.leave_reason = reason
+        seq.leave_time = now
+        self._running.discard(seq.id)
+        self._slot_of.pop(seq.id, None)
+        del self._seqs[seq.id]
+
+    # ---- queries (spec 5.5) ------------------------------------------------------------------
+    def get_request_counts(self) -> tuple[int, int]:
+        return self._core.num_running, self._core.num_waiting
+
+    def get_num_unfinished_requests(self) -> int:
+        return self._core.num_running + self._core.num_waiting
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests()
+
+    def is_finished(self) -> bool:
+        return not self._core.has_unfinished_requests() and not self._rejected and not (
+            self._core.num_outstanding_batches)
+
+    def get_next_batch_info(self) -> tuple[bool, int, int]:
+        return self._core.get_next_batch_info()
+
+    def preempt(self, seq: Any) -> None:
+        raise NotImplementedError("the core preempts by itself (recompute, tail of running); "
+                                  "preempting a chosen sequence from outside is not supported")
+
+    # ---- data parallel, KV events ------------------------------------------------------------
+    def set_prefill_delayer(self, delayer: Any) -> None:
+        """ATOM's PrefillDelayer protocol: ``delayer.should_allow_prefill(local_prefillable,
+        token_usage=..., local_alignment_ready=...)`` is asked before every schedule()."""
+        self.prefill_delayer = delayer
+
+    def _ask_prefill_delayer(self) -> bool:
+        d = self.prefill_delayer
+        if d is None:
+            return True
+        required = 2 if self._enable_tbo else 1
+        count = self._core.count_admittable_head_prefills(required)
+        usage = 1.0 - self._core.num_free_blocks / max(1, self.config.num_blocks - 1)
+        return bool(d.should_allow_prefill(local_prefillable=count > 0, token_usage=usage,
+                                           local_alignment_ready=count >= required))
+
+    def _make_publisher(self, events: Any) -> Any:
+        from ..kv_events import KVEventPublisher
+
+        kw: dict[str, Any] = {}
+        for name in ("replay_endpoint", "buffer_steps", "hwm", "max_queue_size", "topic"):
+            value = getattr(events, name, None)
+            if value is not None:
+                kw[name] = value
+        # ATOM's default endpoints bind every interface ("tcp://*:5557"): here loopback only.
+        for name in ("replay_endpoint",):
+            if kw.get(name):
+                kw[name] = kw[name].replace("tcp://*", "tcp://127.0.0.1")
+        endpoint = getattr(events, "endpoint", None) or "tcp://127.0.0.1:5557"
+        return KVEventPublisher(endpoint.replace("tcp://*", "tcp://127.0.0.1"), **kw)
+
+    def publish_kv_events(self) -> None:
+        if self._publisher is not None:
+            self._publisher.publish_step(self._core)
+
+    def shutdown_kv_events(self) -> None:
+        try:
+            if self._publisher is not None:
+                self._publisher.close()
+        except Exception:  # noqa: BLE001 - ATOM swallows shutdown errors
+            logger.exception("KV event publisher shutdown")

@@ -1,0 +1,235 @@
+"""Issue 9: ATOM's scheduler API (``atom_sched.compat.atom``) driven by an EngineCore-shaped loop
+and a ModelRunner that consumes ``ScheduledBatch`` as ATOM's does (support/atom_standins.py), in
+ATOM's two output modes (non-deferred, and deferred as in production) with K = 0..3: chunked
+prefill, prefix caching, preemption, rejection and stops; the outputs equal the native API's on
+the same stream, and every row's KV context is checked where the runner reads it."""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+from support import Driver, FakeModel, expected_output
+from support.atom_standins import (
+    AtomSamplingParams,
+    Config,
+    FakeRunner,
+    Sequence,
+    SequenceStatus,
+    SequenceType,
+    SpeculativeConfig,
+    engine_loop,
+)
+from support.fake_model import EOS
+from support.oracle import req_info
+
+from atom_sched import SamplingParams
+from atom_sched import Scheduler as NativeScheduler
+from atom_sched.compat.atom import CacheStats, ScheduledBatchOutput, Scheduler, SpecStats
+
+BS = 4
+
+
+def config(k=0, **kw):
+    base = dict(num_kvcache_blocks=26, kv_cache_block_size=BS, max_num_seqs=6,
+                max_num_batched_tokens=32, max_model_len=96, eos_token_id=EOS,
+                speculative_config=SpeculativeConfig(k) if k else None)
+    return Config(**{**base, **kw})
+
+
+def stream(seed=0, n=14):
+    """Requests with shared prefixes, prompts of 3-30 tokens, some ending by EOS, a stop
+    sequence, or max_tokens: ``[(id, prompt, params, stop sequences)]``."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(20, 900, 13).tolist()
+    out = []
+    for i in range(n):
+        rid = i + 1  # ATOM replaces an id of 0 by its counter
+        body = rng.integers(20, 900, int(rng.integers(3, 18))).tolist()
+        prompt = (shared[: int(rng.integers(4, 14))] if i % 3 else []) + body
+        sp = AtomSamplingParams(max_tokens=int(rng.integers(1, 24)), temperature=0.0,
+                                ignore_eos=i % 5 == 4)
+        out.append((rid, prompt, sp))
+    return out
+
+
+def model_for(k, reqs):
+    m = FakeModel(k)
+    overrides = {}
+    for rid, _, _ in reqs:
+        if rid % 4 == 0:
+            overrides[(rid, 5)] = EOS  # an EOS at the 6th token (ignored when ignore_eos)
+    m.overrides = overrides
+    return m
+
+
+def stop_sequences(model, rid):
+    return [[model.token(rid, 6), model.token(rid, 7)]] if rid % 7 == 3 else []
+
+
+def run_compat(k, deferred, reqs, cfg):
+    model = model_for(k, reqs)
+    sched = Scheduler(cfg)
+    seqs = [Sequence(p, BS, sp, stop_sequences(model, rid), id=rid) for rid, p, sp in reqs]
+    runner = FakeRunner(model, k, {rid: p for rid, p, _ in reqs}, BS, deferred,
+                        ScheduledBatchOutput)
+    sched.extend(seqs)
+    return sched, seqs, runner, engine_loop(sched, runner), model
+
+
+def native_results(k, reqs, cfg_core, model):
+    d = Driver(NativeScheduler(cfg_core), FakeModel(k, overrides=model.overrides), cfg=cfg_core)
+    for rid, p, sp in reqs:
+        d.add(rid, p, core_params(sp, stop_sequences(model, rid)))
+    d.run()
+    return d.results()
+
+
+def core_params(sp, stops):
+    return SamplingParams(max_tokens=sp.max_tokens, ignore_eos=sp.ignore_eos,
+                          temperature=sp.temperature, stop_token_sequences=stops)
+
+
+MODES = [(k, deferred) for deferred in (False, True) for k in (0, 1, 2, 3)]
+
+
+@pytest.mark.parametrize("k,deferred", MODES,
+                         ids=[f"{'deferred' if d else 'sync'}-K{k}" for k, d in MODES])
+def test_engine_loop_equals_the_native_api(k, deferred):
+    reqs = stream(seed=k)
+    cfg = config(k)
+    sched, seqs, runner, res, model = run_compat(k, deferred, reqs, cfg)
+    native = native_results(k, reqs, sched.config, model)
+    stats = sched._core.stats()
+    assert stats["num_preemptions"] > 0, "the small pool should preempt"
+    assert stats["prefix_hit_tokens"] > 0, "shared prefixes should hit the cache"
+    assert runner.rows_checked > 0
+    done = {s.id for s in res["finished"]}
+    assert done == {rid for rid, _, _ in reqs}
+    for seq in seqs:
+        tokens, reason = native[seq.id]
+        info = req_info(seq.token_ids[: seq.num_prompt_tokens],
+                        core_params(seq, seq.stop_token_sequences))
+        assert (tokens, reason) == expected_output(model, seq.id, info, sched.config)
+        assert seq.completion_token_ids == tokens, seq.id
+        assert seq.leave_reason == reason and seq.status == SequenceStatus.FINISHED
+        outs = res["streamed"][seq.id]
+        assert sum((o.output_tokens for o in outs), []) == tokens
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert outs[-1].finish_reason == reason
+    assert {s.leave_reason for s in seqs} >= {"max_tokens", "eos"}
+    if k:
+        assert sched.spec_stats.total_steps > 0 and 0 < sched.spec_stats.acceptance_rate <= 1
+    assert sched.cache_stats.hit_rate > 0
+    assert sched.is_finished() and not sched.has_unfinished_requests()
+    sched._core.check_invariants()
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_request_ending_with_its_first_token(deferred):
+    """Deferred: the core has nothing to run while the prefill's output is in the runner; a
+    flush batch brings it back (an EngineCore skips the forward of an empty batch)."""
+    reqs = [(1, list(range(30, 39)), AtomSamplingParams(max_tokens=1, temperature=0.0))]
+    sched, seqs, runner, res, _ = run_compat(0, deferred, reqs, config())
+    assert seqs[0].leave_reason == "max_tokens" and len(seqs[0].completion_token_ids) == 1
+    assert runner.forwards == (2 if deferred else 1)
+
+
+def test_scheduled_batch_has_atoms_names_dtypes_and_live_block_tables():
+    sched = Scheduler(config(2))
+    seq = Sequence(list(range(40, 50)), BS, AtomSamplingParams(max_tokens=8, top_k=5,
+                                                               top_p=0.5), id=3)
+    sched.add(seq)
+    batch, seqs = sched.schedule()
+    assert batch.req_ids == [3] and seqs == {3: seq}
+    assert seq.status == SequenceStatus.RUNNING and seq.type == SequenceType.PREFILL
+    assert batch.num_scheduled_tokens.dtype == np.int32 and batch.num_scheduled_tokens[0] == 10
+    assert batch.context_lens.tolist() == [10] and batch.num_cached_tokens == [0]
+    assert batch.temperatures.dtype == np.float32 and batch.top_ks.tolist() == [5]
+    assert batch.scheduled_tokens.tolist() == list(range(40, 50))
+    assert batch.block_tables[0] is seq.block_table and seq.block_table == [1, 2, 3]
+    assert batch.last_block_num_tokens == [2] and batch.num_spec_step == 0
+    assert batch.total_seqs_num_prefill == 1 and batch.total_tokens_num == 10
+    assert not hasattr(batch, "scheduled_spec_decode_tokens")
+    # Deferred: the decode batch is scheduled while the prefill's output is in flight.
+    batch2, _ = sched.schedule()
+    assert batch2.num_spec_step == 2 and batch2.num_scheduled_tokens.tolist() == [3]
+    assert batch2.context_lens.tolist() == [13]  # 10 + K + 1: ATOM's host count
+    assert batch2.scheduled_tokens.tolist() == [EOS] * 3  # placeholders
+    assert seq.type == SequenceType.DECODE and batch2.block_tables[0] == [1, 2, 3, 4]
+    assert batch2.scheduled_spec_decode_tokens.shape == (0, 2)
+
+
+def test_rejections_are_reported_once_with_atoms_reason():
+    sched = Scheduler(config())
+    seq = Sequence(list(range(100)), BS, AtomSamplingParams(), id=9)
+    sched.add(seq)
+    batch, _ = sched.schedule()
+    assert batch.req_ids == []
+    (r,) = sched.take_rejected()
+    assert r is seq and seq.status == SequenceStatus.FINISHED
+    assert seq.leave_reason.startswith("unschedulable: input tokens=100 > max_model_len=96")
+    assert sched.take_rejected() == [] and sched.is_finished()
+
+
+def test_bad_outputs_raise_and_change_nothing():
+    sched = Scheduler(config())
+    sched.add(Sequence(list(range(40, 45)), BS, AtomSamplingParams(max_tokens=3), id=1))
+    sched.add(Sequence(list(range(50, 55)), BS, AtomSamplingParams(max_tokens=3), id=2))
+    batch, seqs = sched.schedule()
+    with pytest.raises(ValueError, match="req_ids"):
+        sched.postprocess(seqs.values(), ScheduledBatchOutput([2, 1], [(5,), (6,)], None, None,
+                                                              None), None)
+    with pytest.raises(ValueError, match="got 2 tokens"):
+        sched.postprocess(seqs.values(), ScheduledBatchOutput([1, 2], [(5, 6), (6,)], None,
+                                                              None, None), None)
+    with pytest.raises(ValueError, match="token rows"):
+        sched.postprocess(seqs.values(), ScheduledBatchOutput([1, 2], [(5,)], None, None, None),
+                          None)
+    q: queue.Queue = queue.Queue()
+    assert sched.postprocess(seqs.values(), ScheduledBatchOutput([1, 2], [(5,), (6,)], None,
+                                                                 None, None), q) == []
+    assert [(sid, o.output_tokens) for sid, o in q.get_nowait()] == [(1, [5]), (2, [6])]
+    with pytest.raises(ValueError, match="already queued"):
+        sched.add(Sequence([1, 2], BS, id=1))
+    with pytest.raises(ValueError):
+        sched.add(Sequence([1, 2], BS, AtomSamplingParams(top_p=0.0), id=7))
+    assert sched.get_request_counts() == (2, 0)
+    assert sched.get_num_unfinished_requests() == 2 and sched.has_requests()
+
+
+def test_prefill_delayer_is_asked_every_step_and_its_veto_holds_prefill():
+    class Delayer:
+        def __init__(self):
+            self.calls = []
+
+        def should_allow_prefill(self, local_prefillable, token_usage, local_alignment_ready):
+            self.calls.append((local_prefillable, token_usage, local_alignment_ready))
+            return len(self.calls) > 2
+
+    sched = Scheduler(config())
+    d = Delayer()
+    sched.set_prefill_delayer(d)
+    assert sched.schedule() is None and len(d.calls) == 1  # asked even with nothing to do
+    sched.add(Sequence(list(range(40, 45)), BS, AtomSamplingParams(max_tokens=3), id=1))
+    batch, _ = sched.schedule()
+    assert batch.req_ids == [] and d.calls[-1] == (True, 0.0, True)
+    batch, _ = sched.schedule()
+    assert batch.req_ids == [1]
+
+
+def test_stats_classes_count_as_atoms():
+    s = SpecStats(2)
+    for a in (1, 3, 3, 2):
+        s.update(a)
+    assert s.total_draft_tokens == 8 and s.total_accepted == 0 * 1 + 2 * 2 + 1 * 1
+    assert s.get_statistics()["distribution"] == {0: 1, 1: 1, 2: 2}
+    with pytest.raises(KeyError):
+        s.update(4)
+    s.reset()
+    assert s.acceptance_rate == 0.0
+    c = CacheStats()
+    c.update(8, 16)
+    c.update(0, 16)
+    assert c.hit_rate == 0.25
