@@ -60,6 +60,22 @@ class SpecStats:
             self._log()
             self._reset_interval()
 
+    def update_counts(self, accepted: np.ndarray) -> None:
+        """``update(a)`` for every ``a`` of ``accepted`` (one decode step's rows), at once."""
+        values, counts = np.unique(accepted, return_counts=True)
+        if values.size and not (1 <= values[0] and values[-1] <= self.mtp_k + 1):
+            raise KeyError(int(values[0] if values[0] < 1 else values[-1]))
+        for a, c in zip(values.tolist(), counts.tolist(), strict=True):
+            self.distribution[a - 1] += c
+            self._interval_distribution[a - 1] += c
+        step = self.log_interval * self.mtp_k
+        before = self.total_draft_tokens
+        self.total_draft_tokens += self.mtp_k * int(counts.sum())
+        self._interval_draft_tokens += self.mtp_k * int(counts.sum())
+        if step and before // step != self.total_draft_tokens // step:
+            self._log()
+            self._reset_interval()
+
     @property
     def total_accepted(self) -> int:
         return sum(k * v for k, v in self.distribution.items())
@@ -259,6 +275,10 @@ class Scheduler:
         self._slot_prefill = np.zeros(self.max_num_seqs, bool)  # the row kind last scheduled
         self._slot_ntokens = np.zeros(self.max_num_seqs, np.int64)  # tokens known on the host
         self._slot_of: dict[int, int] = {}  # sequence id -> its slot while running
+        self._slot_table: list[list[int]] = [[] for _ in range(self.max_num_seqs)]
+        self._slot_ext: list[Any] = [None] * self.max_num_seqs
+        self._pending: dict[int, list[int]] = {}  # tokens not yet written into the Sequence
+        self._awaiting_first: set[int] = set()  # admitted, first token not out yet
         self.spec_stats = SpecStats(self.mtp_k) if self.use_spec and self.mtp_k else None
         self.cache_stats = CacheStats() if prefix else None
         self.prefill_delayer: Any = None
@@ -309,6 +329,7 @@ class Scheduler:
         b = core.schedule(allow_prefill=allow) if core.num_outstanding_batches < 2 else None
         self._sync_preemptions()
         if b is None:
+            self._retire_finished_batches()
             return self._flush_batch()
         batch, seqs = self._build(b)
         self._forwarded.append(_Forwarded(b, batch.req_ids))
@@ -363,11 +384,10 @@ class Scheduler:
             num_cached_tokens=b.num_cached_tokens.tolist(), context_lens=ctx,
             # The EOS id where only the device knows the token, as ATOM's placeholders.
             scheduled_tokens=np.where(st < 0, np.int32(self.eos_token_id), st).astype(np.int32),
-            block_tables=[seq_of[s].block_table for s in slot_list],
+            block_tables=[self._slot_table[s] for s in slot_list],
             last_block_num_tokens=(ctx - (nblocks - 1) * bs).tolist(),
             is_first_decode_without_local_prefill=[False] * n,
-            external_request_ids=[getattr(seq_of[s], "external_request_id", None)
-                                  for s in slot_list],
+            external_request_ids=[self._slot_ext[s] for s in slot_list],
             total_tokens_num=int(nsched.sum()),
             total_tokens_num_prefill=int(nsched[is_prefill].sum()),
             total_tokens_num_decode=int(nsched[~is_prefill].sum()),
@@ -377,7 +397,7 @@ class Scheduler:
         if not b.is_prefill and self.mtp_k > 0:
             drafts = b.spec_draft_tokens
             batch.scheduled_spec_decode_tokens = drafts[drafts[:, 0] >= 0].copy()
-        return batch, {rid: seq_of[s] for rid, s in zip(req_ids, slot_list, strict=True)}
+        return batch, dict(zip(req_ids, map(seq_of.__getitem__, slot_list), strict=True))
 
     def _atom_context(self, known: np.ndarray, after_prefill: np.ndarray) -> np.ndarray:
         """``context_lens`` of a decode row scheduled while its request's previous row is in
@@ -413,12 +433,18 @@ class Scheduler:
                 seq.num_cached_tokens = int(b.num_cached_tokens[i])
 
     def _admit(self, seq: Any, slot: int) -> None:
+        self._sync_tokens(seq)
         seq.status = _enum_member(seq.status, "RUNNING")
         seq.block_table.clear()
         self._running.add(seq.id)
         self._slot_of[seq.id] = slot
         self._slot_seq[slot] = seq
+        self._slot_table[slot] = seq.block_table
+        self._slot_ext[slot] = getattr(seq, "external_request_id", None)
         self._slot_ntokens[slot] = seq.num_tokens
+        self._pending.setdefault(seq.id, [])
+        if not getattr(seq, "first_token_time", 0):
+            self._awaiting_first.add(seq.id)
         self._slot_logprobs[slot] = bool(getattr(seq, "return_logprobs", False))
         self._slot_noise[slot] = bool(getattr(seq, "needs_independent_noise", False))
 
@@ -431,7 +457,9 @@ class Scheduler:
         running = set(self._core.running_ids())
         for sid in [s for s in self._running if s not in running]:
             self._running.discard(sid)
+            self._slot_of.pop(sid, None)
             seq = self._seqs[sid]
+            self._sync_tokens(seq)
             seq.status = _enum_member(seq.status, "WAITING")
             seq.block_table.clear()
             seq.num_cached_tokens = 0
@@ -446,7 +474,7 @@ class Scheduler:
             return ScheduledBatch(), {}
         b = self._forwarded[-1].core
         rows = [i for i, rid in enumerate(b.req_ids.tolist())
-                if rid in self._running and self._ends_by_length(self._seqs[rid])]
+                if rid in self._running and self._ends_by_length(rid)]
         if not rows:
             logger.warning("nothing to schedule while a batch is in flight and its requests go "
                            "on: a deferred runner holds their outputs until the next forward")
@@ -454,7 +482,7 @@ class Scheduler:
         q, bs, n = self.mtp_k + 1, self.block_size, len(rows)
         req_ids = [int(b.req_ids[i]) for i in rows]
         seqs = {rid: self._seqs[rid] for rid in req_ids}
-        known = np.array([seqs[rid].num_tokens for rid in req_ids], np.int64)
+        known = self._slot_ntokens[[self._slot_of[rid] for rid in req_ids]]
         ctx = self._atom_context(known, b.row_is_prefill[rows])
         tables = [seqs[rid].block_table + [0] * (-(-int(c) // bs) - len(seqs[rid].block_table))
                   for rid, c in zip(req_ids, ctx.tolist(), strict=True)]
@@ -475,88 +503,140 @@ class Scheduler:
         self._forwarded.append(_Forwarded(None, req_ids))
         return batch, seqs
 
-    def _ends_by_length(self, seq: Any) -> bool:
-        """Whether the output in flight ends ``seq`` whatever it is: ``max_tokens``, or the
+    def _retire_finished_batches(self) -> None:
+        """A forwarded batch whose requests have all finished (its rows were scheduled one step
+        ahead of their last output) would wait for its outputs until some later forward: the
+        core gets it back now (it discards the rows of finished requests), and the outputs are
+        dropped when they come."""
+        for fwd in self._forwarded:
+            if fwd.core is None:
+                continue
+            if any(rid in self._seqs for rid in fwd.req_ids):
+                return
+            b, n, k = fwd.core, fwd.core.num_rows, self.mtp_k
+            if k == 0:
+                self._core.update(b, np.zeros(n, np.int32))
+            else:
+                self._core.update(b, np.zeros((n, k + 1), np.int32),
+                                  None if b.is_prefill else np.ones(n, np.int32),
+                                  np.full((n, k), -1, np.int32))
+            fwd.core = None
+
+    def _ends_by_length(self, sid: int) -> bool:
+        """Whether the output in flight ends ``sid`` whatever it is: ``max_tokens``, or the
         position limit (``max_model_len``, the pool's capacity). The core's rule for not giving
         such a request another row (docs/api.md, Policy step 4)."""
-        generated = seq.num_tokens - seq.num_prompt_tokens
+        seq = self._seqs[sid]
+        known = int(self._slot_ntokens[self._slot_of[sid]])
         limit = min(self.max_model_len, (self.config.num_blocks - 1) * self.block_size)
-        return generated + 1 >= seq.max_tokens or seq.num_tokens + 1 >= limit
+        return known - seq.num_prompt_tokens + 1 >= seq.max_tokens or known + 1 >= limit
 
     # ---- outputs ------------------------------------------------------------------------------
     def _update_args(self, b: Any, out: ScheduledBatchOutput) -> tuple[Any, ...]:
         """``update()``'s arrays from ATOM's outputs (checked: ValueError names what is wrong)."""
         n, k = b.num_rows, self.mtp_k
-        if len(out.token_ids) != n:
-            raise ValueError(f"postprocess: {len(out.token_ids)} token rows for {n} requests")
-        width = k + 1
-        sampled = np.zeros((n, width), np.int32)
-        accepted = np.ones(n, np.int32)
-        nsched = b.num_scheduled_tokens
-        for i, toks in enumerate(out.token_ids):
-            m = len(toks)
-            if not 1 <= m <= (1 if b.row_is_prefill[i] else int(nsched[i])):
-                raise ValueError(f"postprocess: request {out.req_ids[i]} got {m} tokens")
-            sampled[i, :m] = toks
-            accepted[i] = m
+        rows = out.token_ids
+        if len(rows) != n:
+            raise ValueError(f"postprocess: {len(rows)} token rows for {n} requests")
+        lens = np.fromiter(map(len, rows), np.int32, n)
+        limit = np.where(b.row_is_prefill, 1, b.num_scheduled_tokens)
+        bad = np.flatnonzero((lens < 1) | (lens > limit))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"postprocess: request {out.req_ids[i]} got {lens[i]} tokens")
         if k == 0:
-            return (sampled[:, 0],)
+            return (np.fromiter((t[0] for t in rows), np.int32, n),)
+        sampled = np.zeros((n, k + 1), np.int32)
+        for i, toks in enumerate(rows):
+            sampled[i, :len(toks)] = toks
         drafts = out.draft_token_ids
         if drafts is None or len(drafts) == 0:
             drafts = np.full((n, k), -1, np.int32)
         drafts = np.asarray(drafts, dtype=np.int32).reshape(n, k)
-        return sampled, (None if b.is_prefill else accepted), drafts
+        return sampled, (None if b.is_prefill else lens), drafts
 
     def _deliver(self, out: Any, b: Any, fwd_output: ScheduledBatchOutput,
                  stream: Any) -> list[Any]:
-        """Write a step's outputs into the sequences; stream them; return the finished ones."""
+        """Stream a step's outputs, finish the sequences that ended, return them.
+
+        A running sequence's tokens are kept here (``_pending``) and written into its
+        ``token_ids``/``output_tokens``/``num_tokens`` when it finishes or is preempted (ATOM's
+        own lists hold placeholders while it runs, so an engine reads them at the finish); the
+        stream carries every token as it comes."""
+        ids = out.request_ids.tolist()
+        if not ids:
+            return []
+        offs, toks = out.token_offsets.tolist(), out.new_tokens.tolist()
+        done, cached = out.finished.tolist(), out.num_cached_tokens.tolist()
+        slot_of, pending, first = self._slot_of, self._pending, self._awaiting_first
+        # Tokens known per running slot (a preempted request's in-flight token can still come:
+        # it has no slot then, and its count is taken at re-admission).
+        slots = np.fromiter((slot_of.get(sid, -1) for sid in ids), np.int64, len(ids))
+        running = slots >= 0
+        self._slot_ntokens[slots[running]] += np.diff(out.token_offsets)[running]
         now = time.time()
-        finished = []
-        stream_items = []
-        ids, offs, toks = out.request_ids, out.token_offsets, out.new_tokens
-        done, cached = out.finished, out.num_cached_tokens
-        k = self.mtp_k
-        drafts = fwd_output.draft_token_ids if k else None
-        for i, sid in enumerate(ids.tolist()):
-            seq = self._seqs[sid]
-            new = toks[offs[i]:offs[i + 1]].tolist()
+        finished, items = [], []
+        for i, sid in enumerate(ids):
+            new = toks[offs[i]:offs[i + 1]]
+            pending[sid] += new
+            if sid in first:
+                self._first_output(sid, cached[i], now)
+            reason = None
+            if done[i]:
+                reason = out.finish_reason(i)
+                finished.append(self._finish(sid, reason, now))
+            if new:
+                items.append((sid, RequestOutput(sid, new, done[i], reason, None, cached[i])))
+        if self.mtp_k:
+            self._keep_spec_state(b, fwd_output)
+            if self.spec_stats is not None and not b.is_prefill:
+                self.spec_stats.update_counts(np.fromiter(map(len, fwd_output.token_ids),
+                                                          np.int32, b.num_rows))
+        if stream is not None and items:
+            stream.put_nowait(items)
+        return finished
+
+    def _first_output(self, sid: int, cached: int, now: float) -> None:
+        self._awaiting_first.discard(sid)
+        seq = self._seqs[sid]
+        seq.first_token_time = now
+        seq.prefix_cache_hit_tokens = cached
+        if self.cache_stats is not None:
+            self.cache_stats.update(cached, seq.num_prompt_tokens)
+
+    def _keep_spec_state(self, b: Any, fwd_output: ScheduledBatchOutput) -> None:
+        """ATOM's per-sequence view of the last output (``num_bonus_tokens``, ``num_rejected``,
+        ``spec_token_ids``), for the rows that emitted."""
+        k, drafts = self.mtp_k, fwd_output.draft_token_ids
+        for i in np.flatnonzero(b.emits_token).tolist():
+            seq = self._seqs.get(int(b.req_ids[i]))
+            if seq is None:
+                continue  # finished this step
+            a = len(fwd_output.token_ids[i])
+            seq.num_bonus_tokens = a - 1
+            seq.num_rejected = 0 if b.row_is_prefill[i] else k + 1 - a
+            if drafts is not None and len(drafts):
+                seq.spec_token_ids = np.asarray(drafts[i], dtype=np.int32)
+
+    def _sync_tokens(self, seq: Any) -> None:
+        """Write the tokens kept for ``seq`` into its lists and count."""
+        new = self._pending.get(seq.id)
+        if new:
             seq.token_ids[seq.num_tokens:] = new
             seq.output_tokens.extend(new)
             seq.num_tokens += len(new)
-            self._slot_ntokens[self._slot_of[sid]] = seq.num_tokens
-            idx = fwd_output.get_idx(sid)
-            if k and idx is not None:
-                a = len(fwd_output.token_ids[idx])
-                decode = not b.row_is_prefill[idx]
-                seq.num_bonus_tokens = a - 1
-                seq.num_rejected = k + 1 - a if decode else 0
-                if drafts is not None and len(drafts):
-                    seq.spec_token_ids = np.asarray(drafts[idx], dtype=np.int32)
-                if self.spec_stats is not None and decode:
-                    self.spec_stats.update(a)
-            if getattr(seq, "first_token_time", 0) == 0 and new:
-                seq.first_token_time = now
-                seq.prefix_cache_hit_tokens = int(cached[i])
-                if self.cache_stats is not None:
-                    self.cache_stats.update(int(cached[i]), seq.num_prompt_tokens)
-            reason = out.finish_reason(i) if done[i] else None
-            if reason is not None:
-                self._finish(seq, reason, now)
-                finished.append(seq)
-            if stream is not None and new:
-                stream_items.append((sid, RequestOutput(
-                    sid, new, reason is not None, reason, None, int(cached[i]))))
-        if stream is not None and stream_items:
-            stream.put_nowait(stream_items)
-        return finished
+            new.clear()
 
-    def _finish(self, seq: Any, reason: str, now: float) -> None:
+    def _finish(self, sid: int, reason: str, now: float) -> Any:
+        seq = self._seqs.pop(sid)
+        self._sync_tokens(seq)
+        self._pending.pop(sid, None)
         seq.status = _enum_member(seq.status, "FINISHED")
         seq.leave_reason = reason
         seq.leave_time = now
-        self._running.discard(seq.id)
-        self._slot_of.pop(seq.id, None)
-        del self._seqs[seq.id]
+        self._running.discard(sid)
+        self._slot_of.pop(sid, None)
+        return seq
 
     # ---- queries (spec 5.5) ------------------------------------------------------------------
     def get_request_counts(self) -> tuple[int, int]:

@@ -233,3 +233,17 @@ def test_stats_classes_count_as_atoms():
     c.update(8, 16)
     c.update(0, 16)
     assert c.hit_rate == 0.25
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("k", [0, 2])
+def test_random_streams_in_production_mode(seed, k):
+    """Deferred outputs (ATOM's production mode), other streams and pool sizes: preemptions at
+    other moments, flush batches, re-prefills of preempted requests."""
+    reqs = stream(seed=100 + seed, n=20)
+    cfg = config(k, num_kvcache_blocks=22 + 3 * seed, max_num_seqs=4 + seed % 3)
+    sched, seqs, runner, res, model = run_compat(k, True, reqs, cfg)
+    native = native_results(k, reqs, sched.config, model)
+    for seq in seqs:
+        assert (seq.completion_token_ids, seq.leave_reason) == native[seq.id], seq.id
+    assert len(res["finished"]) == len(reqs) and sched.is_finished()
