@@ -57,6 +57,7 @@ BUDGETS: dict[str, float] = {
     "marginal_cpp": 20.0,  # ns per running request per step, C++ core
     "fixed_py": 1.2,  # µs per step at 1 running: schedule + views() + update (issue 10)
     "engine_1024": 40.0,  # µs per step: the step plus what an engine streams (issue 10)
+    "compat_atom_1024": 400.0,  # ns per running request per step through compat.atom (issue 9)
 }
 
 
@@ -757,6 +758,58 @@ def preemption(reps: int, warmup: int, *, check: bool = False, n: int = 256,
                         "cpu_share": ng.cpu_share, "other_busy": ng.other_busy})
 
 
+def compat_atom(n: int, reps: int, warmup: int, *, check: bool = False) -> Result:
+    """ATOM's engine step through ``atom_sched.compat.atom`` with ``n`` running requests in
+    ATOM's production (deferred-output) mode: timed ``schedule()`` + ``postprocess()`` with a
+    stream queue, per running request. The runner's part (building ``ScheduledBatchOutput``,
+    draining the queue) is outside the timing. The Sequence stand-in is the tests' own
+    (tests/python/support/atom_standins.py: no ATOM code in this repository)."""
+    import queue
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
+    from support.atom_standins import AtomSamplingParams, Config, Sequence
+
+    from atom_sched.compat.atom import ScheduledBatchOutput
+    from atom_sched.compat.atom import Scheduler as AtomScheduler
+
+    cfg = Config(num_kvcache_blocks=n * 32 + 64, kv_cache_block_size=BLOCK_SIZE, max_num_seqs=n,
+                 max_num_batched_tokens=n * 64, max_model_len=4096, eos_token_id=2)
+    sched = AtomScheduler(cfg)
+    prompt = list(range(100, 164))
+    for i in range(n):
+        sched.add(Sequence(prompt, BLOCK_SIZE, AtomSamplingParams(max_tokens=1 << 20,
+                                                                 ignore_eos=True), id=i + 1))
+    stream: queue.Queue = queue.Queue()
+    prev: list[int] = []
+    times = np.zeros(reps, np.int64)
+    rows = 0
+    clock = time.perf_counter_ns
+    ng = _NoGC()
+    with ng:
+        for i in range(warmup + reps):
+            out = ScheduledBatchOutput(prev, [(7,)] * len(prev), None, None, None,
+                                       is_deferred_out=True)
+            t0 = clock()
+            batch, seqs = sched.schedule()
+            sched.postprocess(seqs.values(), out, stream)
+            t1 = clock()
+            prev = batch.req_ids
+            while not stream.empty():
+                stream.get_nowait()
+            if i >= warmup:
+                times[i - warmup] = t1 - t0
+                rows += len(prev)
+            if check:
+                sched._core.check_invariants()
+    _require(rows == reps * n, "compat: not every request decoded in every timed step")
+    med, p10, p90 = _summary(times)
+    return Result(key=f"compat_atom_{n}", name=f"ATOM engine step via compat.atom, {n} running",
+                  unit="ns/request", median=med * 1e3 / n, p10=p10 * 1e3 / n,
+                  p90=p90 * 1e3 / n, reps=reps, budget=BUDGETS.get(f"compat_atom_{n}"),
+                  checked=check, info={"median_step_us": med, "cpu_share": ng.cpu_share,
+                                       "other_busy": ng.other_busy})
+
+
 def split_slope(results: dict[str, Result]) -> float | None:
     """ns per running request per step from the separate decode_1024 and decode_4096 medians
     (measured at different times, so more exposed to machine noise than marginal_paired)."""
@@ -862,6 +915,9 @@ def workloads(quick: bool = False, check: bool = False) -> list[Workload]:
                         lambda: preemption(r.preemption, r.warmup, check=check)))
     out.append(Workload("mtp3_256", "MTP K=3 256",
                         lambda: decode_step(256, r.mtp, r.warmup, k=3, check=check)))
+    out.append(Workload("compat_atom_1024", "ATOM compat 1024",
+                        lambda: compat_atom(1024, r.decode[1024] // 10, r.warmup // 4,
+                                            check=check)))
     out.append(Workload("marginal_py", "marginal 1k->4k (paired)",
                         lambda: marginal_paired(r.pairs, r.pair_chunk, r.warmup, check=check)))
     return out

@@ -22,9 +22,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from itertools import chain, repeat
+from operator import itemgetter
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -138,9 +141,9 @@ class CacheStats:
 
 
 # ---- what the runner gets and gives back ---------------------------------------------------------
-@dataclass
-class RequestOutput:
-    """ATOM's streamed output of one request in one step (``request.RequestOutput``)."""
+class RequestOutput(NamedTuple):
+    """ATOM's streamed output of one request in one step (``request.RequestOutput``'s fields; a
+    named tuple: built in C for a whole step, picklable for the engine's output socket)."""
 
     request_id: int
     output_tokens: list[int]
@@ -148,6 +151,9 @@ class RequestOutput:
     finish_reason: str | None = None
     kv_transfer_params_output: dict[str, Any] | None = None
     num_cached_tokens: int = 0
+
+
+_new_output = partial(tuple.__new__, RequestOutput)
 
 
 class ScheduledBatchOutput:
@@ -215,6 +221,37 @@ class ScheduledBatch:
     # scheduled_spec_decode_tokens (int32 [rows with drafts, K]) is set on decode batches only.
 
 
+class _BatchSequences(Mapping):
+    """``schedule()``'s ``{id: Sequence}`` in row order; ``values()`` (what ATOM's EngineCore
+    reads) costs nothing, the dict is built on first lookup."""
+
+    def __init__(self, ids: list[int], seqs: list[Any]) -> None:
+        self._ids, self._seqs = ids, seqs
+        self._dict: dict[int, Any] | None = None
+
+    def _map(self) -> dict[int, Any]:
+        if self._dict is None:
+            self._dict = dict(zip(self._ids, self._seqs, strict=True))
+        return self._dict
+
+    def __getitem__(self, sid: int) -> Any:
+        return self._map()[sid]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def values(self) -> list[Any]:  # type: ignore[override]
+        return self._seqs
+
+    def __eq__(self, other: object) -> bool:
+        return self._map() == (dict(other) if isinstance(other, Mapping) else other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 @dataclass
 class _Forwarded:
     """A batch handed to the runner whose outputs have not come back: ``core`` is the core's
@@ -222,6 +259,13 @@ class _Forwarded:
 
     core: Any
     req_ids: list[int]
+
+
+def _gather(items: list[Any], index: list[int]) -> list[Any]:
+    """``[items[i] for i in index]``, gathered in C."""
+    if len(index) > 1:
+        return list(itemgetter(*index)(items))
+    return [items[i] for i in index]
 
 
 def _enum_member(current: Any, name: str) -> Any:
@@ -265,7 +309,6 @@ class Scheduler:
         self._running: set[int] = set()
         self._rejected: list[Any] = []
         self._forwarded: deque[_Forwarded] = deque()
-        self._preemptions = 0
         # Per device slot (0..max_num_seqs-1): the sequence admitted there and what the batch
         # copies from it each step, so a step touches only the rows that changed.
         self._slot_seq: list[Any] = [None] * self.max_num_seqs
@@ -275,6 +318,7 @@ class Scheduler:
         self._slot_prefill = np.zeros(self.max_num_seqs, bool)  # the row kind last scheduled
         self._slot_ntokens = np.zeros(self.max_num_seqs, np.int64)  # tokens known on the host
         self._slot_of: dict[int, int] = {}  # sequence id -> its slot while running
+        self._slot_owner = np.full(self.max_num_seqs, -1, np.int64)  # the reverse (-1: free)
         self._slot_table: list[list[int]] = [[] for _ in range(self.max_num_seqs)]
         self._slot_ext: list[Any] = [None] * self.max_num_seqs
         self._pending: dict[int, list[int]] = {}  # tokens not yet written into the Sequence
@@ -319,7 +363,7 @@ class Scheduler:
         return out
 
     # ---- one step ----------------------------------------------------------------------------
-    def schedule(self) -> tuple[ScheduledBatch, dict[int, Any]] | None:
+    def schedule(self) -> tuple[ScheduledBatch, Mapping[int, Any]] | None:
         """The next batch and its sequences by id (row order); None when no request is waiting
         or running. The batch may be empty (the engine then skips the forward)."""
         allow = self._ask_prefill_delayer()
@@ -327,11 +371,12 @@ class Scheduler:
         if not core.has_unfinished_requests() and not self._forwarded:
             return None
         b = core.schedule(allow_prefill=allow) if core.num_outstanding_batches < 2 else None
-        self._sync_preemptions()
         if b is None:
+            self._sync_preemptions()
             self._retire_finished_batches()
             return self._flush_batch()
         batch, seqs = self._build(b)
+        self._sync_preemptions()
         self._forwarded.append(_Forwarded(b, batch.req_ids))
         return batch, seqs
 
@@ -357,7 +402,7 @@ class Scheduler:
         return [] if b is None else self._deliver(out, b, fwd_output, stream_output_queue)
 
     # ---- building the batch -------------------------------------------------------------------
-    def _build(self, b: Any) -> tuple[ScheduledBatch, dict[int, Any]]:
+    def _build(self, b: Any) -> tuple[ScheduledBatch, Mapping[int, Any]]:
         n = b.num_rows
         bs = self.block_size
         slots = b.request_slots
@@ -384,10 +429,10 @@ class Scheduler:
             num_cached_tokens=b.num_cached_tokens.tolist(), context_lens=ctx,
             # The EOS id where only the device knows the token, as ATOM's placeholders.
             scheduled_tokens=np.where(st < 0, np.int32(self.eos_token_id), st).astype(np.int32),
-            block_tables=[self._slot_table[s] for s in slot_list],
+            block_tables=_gather(self._slot_table, slot_list),
             last_block_num_tokens=(ctx - (nblocks - 1) * bs).tolist(),
             is_first_decode_without_local_prefill=[False] * n,
-            external_request_ids=[self._slot_ext[s] for s in slot_list],
+            external_request_ids=_gather(self._slot_ext, slot_list),
             total_tokens_num=int(nsched.sum()),
             total_tokens_num_prefill=int(nsched[is_prefill].sum()),
             total_tokens_num_decode=int(nsched[~is_prefill].sum()),
@@ -397,7 +442,7 @@ class Scheduler:
         if not b.is_prefill and self.mtp_k > 0:
             drafts = b.spec_draft_tokens
             batch.scheduled_spec_decode_tokens = drafts[drafts[:, 0] >= 0].copy()
-        return batch, dict(zip(req_ids, map(seq_of.__getitem__, slot_list), strict=True))
+        return batch, _BatchSequences(req_ids, _gather(seq_of, slot_list))
 
     def _atom_context(self, known: np.ndarray, after_prefill: np.ndarray) -> np.ndarray:
         """``context_lens`` of a decode row scheduled while its request's previous row is in
@@ -414,22 +459,32 @@ class Scheduler:
         if b.num_rows == 0:
             return
         reset, is_prefill = b.slot_reset, b.row_is_prefill
-        starts, offs, ids = b.new_block_starts, b.new_block_offsets, b.new_block_ids
+        starts, offs, new_ids = b.new_block_starts, b.new_block_offsets, b.new_block_ids
         slots = b.request_slots
-        changed = (reset | is_prefill | (self._slot_prefill[slots] != is_prefill)
-                   | (offs[1:] > offs[:-1]) | (starts != self._slot_nblocks[slots]))
-        for i in np.flatnonzero(changed).tolist():
-            slot = int(slots[i])
-            seq = self._seqs[int(b.req_ids[i])]
-            if reset[i]:
+        kind_changed = self._slot_prefill[slots] != is_prefill
+        changed = reset | is_prefill | kind_changed | (offs[1:] > offs[:-1]) | (
+            starts != self._slot_nblocks[slots])
+        rows = np.flatnonzero(changed)
+        if rows.size == 0:
+            return
+        self._slot_nblocks[slots[rows]] = starts[rows] + (offs[1:] - offs[:-1])[rows]
+        seqs, id_list = self._seqs, new_ids.tolist()
+        offs_l, starts_l = offs.tolist(), starts.tolist()
+        for i, slot, rid, fresh, prefill, kind in zip(
+                rows.tolist(), slots[rows].tolist(), b.req_ids[rows].tolist(),
+                reset[rows].tolist(), is_prefill[rows].tolist(), kind_changed[rows].tolist(),
+                strict=True):
+            seq = seqs[rid]
+            if fresh:
                 self._admit(seq, slot)
             table = seq.block_table
-            del table[int(starts[i]):]
-            table.extend(ids[offs[i]:offs[i + 1]].tolist())
-            self._slot_nblocks[slot] = len(table)
-            self._slot_prefill[slot] = is_prefill[i]
-            seq.type = _enum_member(seq.type, "PREFILL" if is_prefill[i] else "DECODE")
-            if is_prefill[i]:
+            if starts_l[i] < len(table):
+                del table[starts_l[i]:]
+            table += id_list[offs_l[i]:offs_l[i + 1]]
+            if kind or fresh:
+                self._slot_prefill[slot] = prefill
+                seq.type = _enum_member(seq.type, "PREFILL" if prefill else "DECODE")
+            if prefill:
                 seq.num_cached_tokens = int(b.num_cached_tokens[i])
 
     def _admit(self, seq: Any, slot: int) -> None:
@@ -438,6 +493,7 @@ class Scheduler:
         seq.block_table.clear()
         self._running.add(seq.id)
         self._slot_of[seq.id] = slot
+        self._slot_owner[slot] = seq.id
         self._slot_seq[slot] = seq
         self._slot_table[slot] = seq.block_table
         self._slot_ext[slot] = getattr(seq, "external_request_id", None)
@@ -448,16 +504,21 @@ class Scheduler:
         self._slot_logprobs[slot] = bool(getattr(seq, "return_logprobs", False))
         self._slot_noise[slot] = bool(getattr(seq, "needs_independent_noise", False))
 
+    def _release_slot(self, sid: int) -> None:
+        slot = self._slot_of.pop(sid, None)
+        if slot is not None and self._slot_owner[slot] == sid:
+            self._slot_owner[slot] = -1
+
     def _sync_preemptions(self) -> None:
-        """Sequences the core preempted go back to WAITING without blocks, as ATOM's preempt."""
-        n = int(self._core.stats()["num_preemptions"])
-        if n == self._preemptions:
+        """Sequences the core preempted go back to WAITING without blocks, as ATOM's preempt.
+        (Called once the step's admissions are known: then the core runs exactly the sequences
+        this layer thinks are running, unless some were preempted.)"""
+        if self._core.num_running == len(self._running):
             return
-        self._preemptions = n
         running = set(self._core.running_ids())
         for sid in [s for s in self._running if s not in running]:
             self._running.discard(sid)
-            self._slot_of.pop(sid, None)
+            self._release_slot(sid)
             seq = self._seqs[sid]
             self._sync_tokens(seq)
             seq.status = _enum_member(seq.status, "WAITING")
@@ -544,8 +605,8 @@ class Scheduler:
         if bad.size:
             i = int(bad[0])
             raise ValueError(f"postprocess: request {out.req_ids[i]} got {lens[i]} tokens")
-        if k == 0:
-            return (np.fromiter((t[0] for t in rows), np.int32, n),)
+        if k == 0:  # one token each
+            return (np.fromiter(chain.from_iterable(rows), np.int32, n),)
         sampled = np.zeros((n, k + 1), np.int32)
         for i, toks in enumerate(rows):
             sampled[i, :len(toks)] = toks
@@ -563,38 +624,59 @@ class Scheduler:
         ``token_ids``/``output_tokens``/``num_tokens`` when it finishes or is preempted (ATOM's
         own lists hold placeholders while it runs, so an engine reads them at the finish); the
         stream carries every token as it comes."""
-        ids = out.request_ids.tolist()
-        if not ids:
+        n = len(out)
+        if n == 0:
             return []
-        offs, toks = out.token_offsets.tolist(), out.new_tokens.tolist()
-        done, cached = out.finished.tolist(), out.num_cached_tokens.tolist()
-        slot_of, pending, first = self._slot_of, self._pending, self._awaiting_first
-        # Tokens known per running slot (a preempted request's in-flight token can still come:
-        # it has no slot then, and its count is taken at re-admission).
-        slots = np.fromiter((slot_of.get(sid, -1) for sid in ids), np.int64, len(ids))
-        running = slots >= 0
-        self._slot_ntokens[slots[running]] += np.diff(out.token_offsets)[running]
-        now = time.time()
-        finished, items = [], []
-        for i, sid in enumerate(ids):
-            new = toks[offs[i]:offs[i + 1]]
-            pending[sid] += new
-            if sid in first:
-                self._first_output(sid, cached[i], now)
-            reason = None
-            if done[i]:
-                reason = out.finish_reason(i)
-                finished.append(self._finish(sid, reason, now))
-            if new:
-                items.append((sid, RequestOutput(sid, new, done[i], reason, None, cached[i])))
+        ids_arr = out.request_ids
+        ids, toks = ids_arr.tolist(), out.new_tokens.tolist()
+        cached = out.num_cached_tokens.tolist()
+        counts = np.diff(out.token_offsets)
+        self._count_tokens(b, ids_arr, counts)
+        pending = self._pending
+        if len(toks) == n:  # one token each (every decode step without drafts): no slicing
+            new_of = [[t] for t in toks]
+        else:
+            offs = out.token_offsets.tolist()
+            new_of = [toks[offs[i]:offs[i + 1]] for i in range(n)]
+        deque(map(list.extend, map(pending.__getitem__, ids), new_of), maxlen=0)
+        if self._awaiting_first:
+            now = time.time()
+            for i in (i for i, sid in enumerate(ids) if sid in self._awaiting_first):
+                self._first_output(ids[i], cached[i], now)
+        finished, reasons = [], {}
+        for i in np.flatnonzero(out.finished).tolist():
+            reasons[i] = out.finish_reason(i)
+            finished.append(self._finish(ids[i], reasons[i], time.time()))
         if self.mtp_k:
             self._keep_spec_state(b, fwd_output)
             if self.spec_stats is not None and not b.is_prefill:
                 self.spec_stats.update_counts(np.fromiter(map(len, fwd_output.token_ids),
                                                           np.int32, b.num_rows))
-        if stream is not None and items:
-            stream.put_nowait(items)
+        if stream is not None:
+            outs = list(map(_new_output, zip(ids, new_of, repeat(False), repeat(None),
+                                             repeat(None), cached)))
+            for i, reason in reasons.items():
+                outs[i] = RequestOutput(ids[i], new_of[i], True, reason, None, cached[i])
+            items = list(zip(ids, outs, strict=True))
+            if len(toks) < n:  # entries without a token (a finish only) are not streamed
+                items = [item for item in items if item[1].output_tokens]
+            if items:
+                stream.put_nowait(items)
         return finished
+
+    def _count_tokens(self, b: Any, ids: np.ndarray, counts: np.ndarray) -> None:
+        """Add each request's new tokens to its slot's known count (a preempted request's
+        in-flight token can still come: its slot is not its own then, and its count is taken
+        at re-admission)."""
+        if len(ids) == b.num_rows and np.array_equal(ids, b.req_ids):
+            slots = b.request_slots.astype(np.int64)  # one entry per row, in row order
+        else:
+            slot_of = self._slot_of
+            slots = np.fromiter((slot_of.get(sid, -1) for sid in ids.tolist()), np.int64,
+                                len(ids))
+        own = slots >= 0
+        own[own] = self._slot_owner[slots[own]] == ids[own]
+        self._slot_ntokens[slots[own]] += counts[own]
 
     def _first_output(self, sid: int, cached: int, now: float) -> None:
         self._awaiting_first.discard(sid)
@@ -635,7 +717,7 @@ class Scheduler:
         seq.leave_reason = reason
         seq.leave_time = now
         self._running.discard(sid)
-        self._slot_of.pop(sid, None)
+        self._release_slot(sid)
         return seq
 
     # ---- queries (spec 5.5) ------------------------------------------------------------------
