@@ -89,12 +89,10 @@ class Worker:
     def check_in_sync(self, probes=(), lora: str = "", salt: str = "") -> list[int]:
         """The indexer's tree equals our cached set; its scores for ``probes`` equal our hits
         (then each probe is served, so its admission proves the hit). Returns the scores."""
-        self.pub.flush()
-        want = set(self.sched.cached_block_hashes())
-        self.idx.wait_for(lambda: self.idx.block_hashes(self.id) == want,
-                          what=f"worker {self.id}'s tree to equal the cached set")
+        self.wait_synced()
         scores = []
         for prompt in probes:
+            self.wait_synced()  # the previous probe's events are in the index too
             kw = {k: v for k, v in (("lora_name", lora), ("cache_salt", salt)) if v}
             score = self.idx.query(prompt, **kw).get(self.id, 0)
             assert score == self.expected_blocks(prompt, lora, salt), prompt
@@ -104,6 +102,13 @@ class Worker:
                 assert self.driver.cached_first[rid] == score * BS
             scores.append(score)
         return scores
+
+    def wait_synced(self) -> None:
+        """Until the indexer's tree equals the scheduler's cached set."""
+        self.pub.flush()
+        want = set(self.sched.cached_block_hashes())
+        self.idx.wait_for(lambda: self.idx.block_hashes(self.id) == want,
+                          what=f"worker {self.id}'s tree to equal the cached set")
 
     def check_nothing_skipped(self) -> None:
         bad = {k: v for k, v in self.idx.events_applied().items()
@@ -221,3 +226,68 @@ def test_a_batch_lost_on_the_wire_is_replayed(worker):
     worker.check_in_sync([list(range(700, 713)), list(range(800, 811))])
     assert any("Gap detected" in r.get("message", "") for r in worker.idx.log_records())
     worker.check_nothing_skipped()
+
+
+def test_two_data_parallel_ranks_are_indexed_apart(indexer):
+    """Two DP ranks of one worker on the layout the publisher enforces (PUB P+rank, replay
+    P+2+rank): Dynamo keeps a tree per rank and scores each as that rank's scheduler hits."""
+    import socket
+
+    for _ in range(20):  # four consecutive free ports
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + 3 < 65536:
+            try:
+                pubs = [KVEventPublisher(f"tcp://127.0.0.1:{base}",
+                                         replay_endpoint=f"tcp://127.0.0.1:{base + 2}",
+                                         data_parallel_rank=r, data_parallel_size=2)
+                        for r in (0, 1)]
+                break
+            except Exception:  # noqa: BLE001 - a port was taken: try another base
+                continue
+    else:
+        pytest.fail("no four consecutive free ports")
+    wid = next(_worker_ids)
+    scheds = []
+    try:
+        for rank, pub in enumerate(pubs):
+            indexer.register(wid, pub.endpoint, BS, replay_endpoint=pub.replay_endpoint,
+                             dp_rank=rank)
+        for pub in pubs:
+            indexer.wait_joined(wid, lambda p=pub: p.publish([KVEvent("BlockRemoved", [])]))
+        prompts = [list(range(300, 313)), list(range(400, 417))]
+        for rank, pub in enumerate(pubs):
+            cfg = make_config(num_blocks=24, block_size=BS, max_num_seqs=4,
+                              max_num_batched_tokens=64, max_model_len=96,
+                              enable_kv_events=True)
+            sched = Scheduler(cfg)
+            d = Driver(sched, FakeModel(0), cfg=cfg)
+            d.post_update = lambda *_, p=pub, s=sched: p.publish_step(s)
+            d.add(0, prompts[rank], sp(max_tokens=2))
+            d.run()
+            pub.flush()
+            scheds.append(sched)
+        for rank, prompt in enumerate(prompts):
+            want = {str(r): len(set(scheds[r].cached_block_hashes())
+                                & set(_chain(prompt))) * BS for r in (0, 1)}
+            want = {r: t for r, t in want.items() if t}
+
+            def scores(prompt=prompt):
+                got = indexer.query_raw(prompt + [7])["scores"].get(str(wid), {})
+                return {r: t for r, t in got.items() if t}
+
+            indexer.wait_for(lambda want=want, scores=scores: scores() == want,
+                             what=f"rank {rank}'s prefix scored on its own rank")
+    finally:
+        indexer.unregister(wid)
+        for pub in pubs:
+            pub.close()
+
+
+def _chain(prompt):
+    parent, out = None, []
+    for i in range(len(prompt) // BS):
+        parent = block_hash(prompt[i * BS:(i + 1) * BS], parent)
+        out.append(parent)
+    return out
