@@ -307,7 +307,6 @@ class Scheduler:
         self._enable_tbo = bool(getattr(config, "enable_tbo", False))
         self._seqs: dict[int, Any] = {}  # live sequences (waiting or running) by id
         self._running: set[int] = set()
-        self._rejected: list[Any] = []
         self._forwarded: deque[_Forwarded] = deque()
         # Per device slot (0..max_num_seqs-1): the sequence admitted there and what the batch
         # copies from it each step, so a step touches only the rows that changed.
@@ -354,7 +353,7 @@ class Scheduler:
 
     def take_rejected(self) -> list[Any]:
         """Sequences the core refused (``leave_reason`` says why), once."""
-        out, self._rejected = self._rejected, []
+        out = []
         for r in self._core.take_rejected():
             seq = self._seqs.pop(r.request_id)
             seq.status = _enum_member(seq.status, "FINISHED")
@@ -734,7 +733,9 @@ class Scheduler:
         return self.has_unfinished_requests()
 
     def is_finished(self) -> bool:
-        return not self._core.has_unfinished_requests() and not self._rejected and not (
+        """Nothing waits, runs or is in flight (an engine takes the rejected right after each
+        ``schedule()``, as ATOM's EngineCore does)."""
+        return not self._core.has_unfinished_requests() and not (
             self._core.num_outstanding_batches)
 
     def get_next_batch_info(self) -> tuple[bool, int, int]:
