@@ -31,9 +31,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._core import ConnectorRequest, KVConnector, RemoteMatch, SchedulerConfig
 from .._core import SamplingParams as CoreParams
 from .._core import Scheduler as CoreScheduler
-from .._core import SchedulerConfig
 
 __all__ = ["CacheStats", "RequestOutput", "ScheduledBatch", "ScheduledBatchOutput", "Scheduler",
            "SpecStats"]
@@ -273,11 +273,76 @@ def _enum_member(current: Any, name: str) -> Any:
     return type(current)[name]
 
 
+class _AtomConnector(KVConnector):
+    """ATOM's scheduler-side KV connector (``KVConnectorSchedulerBase``: MoRIIO, Mooncake...)
+    seen by the core. Each callback gets the engine's ``Sequence`` with what the connector reads
+    brought up to date (block table, prefix hits, tokens), as ATOM's scheduler calls it."""
+
+    def __init__(self, atom_connector: Any, compat: Scheduler) -> None:
+        super().__init__()
+        self.atom = atom_connector
+        self.compat = compat
+
+    def is_producer(self) -> bool:
+        flag = self.atom.is_producer
+        return bool(flag() if callable(flag) else flag)
+
+    def _seq(self, request: ConnectorRequest) -> Any:
+        seq = self.compat._seqs[request.request_id]
+        seq.block_table[:] = request.block_ids
+        seq.num_cached_tokens = request.num_cached_tokens
+        return seq
+
+    def get_num_new_matched_tokens(self, request: ConnectorRequest) -> RemoteMatch:
+        seq = self._seq(request)
+        num, load_async = self.atom.get_num_new_matched_tokens(seq)
+        if not load_async:
+            return RemoteMatch(num_tokens=int(num or 0))
+        # ATOM injects the producer's first token (and drafts) at the ready transition.
+        params = getattr(seq, "kv_transfer_params", None) or {}
+        t0 = params.get("first_token_id")
+        drafts = list(params.get("draft_token_ids") or [])[: self.compat.mtp_k]
+        return RemoteMatch(num_tokens=int(num), load_async=True,
+                           first_token=-1 if t0 is None else int(t0), draft_tokens=drafts)
+
+    def update_state_after_alloc(self, request: ConnectorRequest) -> None:
+        seq = self._seq(request)
+        remote = bool((getattr(seq, "kv_transfer_params", None) or {}).get("do_remote_prefill"))
+        self.atom.update_state_after_alloc(seq)
+        if remote:  # its KV comes from a prefill engine: it waits for it, as in ATOM
+            seq.status = _enum_member(seq.status, "WAITING_FOR_REMOTE_KVS")
+
+    def request_finished(self, request: ConnectorRequest) -> bool:
+        seq = self._seq(request)
+        tokens = list(request.token_ids)  # every token, the last step's included
+        seq.token_ids[:] = tokens
+        seq.output_tokens[:] = tokens[seq.num_prompt_tokens:]
+        seq.num_tokens = len(tokens)
+        if self.compat.mtp_k:  # the drafts proposed with the last token (ATOM's connector
+            seq.spec_token_ids = np.asarray(request.draft_token_ids, np.int32)  # sends them)
+        self.compat._synced.add(seq.id)  # what the step still delivers is in these already
+        self.atom.request_finished(seq)
+        # ATOM's producer keeps every finished request's blocks until the send completes.
+        return self.is_producer()
+
+
+def _atom_kv_connector(config: Any) -> Any:
+    """ATOM's own scheduler-side connector for ``config.kv_transfer_config``, as its scheduler
+    builds it (``get_kvconnector("scheduler", config)``)."""
+    try:
+        from atom.utils.forward_context import get_kvconnector  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise ValueError("kv_transfer_config is set but ATOM's get_kvconnector cannot be "
+                         "imported: pass Scheduler(config, kv_connector=...)") from e
+    return get_kvconnector("scheduler", config)
+
+
 class Scheduler:
     """ATOM's ``Scheduler(config)`` over the core (docs/atom.md). ``config`` is ATOM's Config or
-    any object with its attribute names."""
+    any object with its attribute names; ``kv_connector`` is ATOM's scheduler-side connector
+    (by default built from ``config.kv_transfer_config`` as ATOM does)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, kv_connector: Any = None) -> None:
         spec = getattr(config, "speculative_config", None)
         self.mtp_k = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec else 0
         self.use_spec = spec is not None
@@ -322,10 +387,17 @@ class Scheduler:
         self._slot_ext: list[Any] = [None] * self.max_num_seqs
         self._pending: dict[int, list[int]] = {}  # tokens not yet written into the Sequence
         self._awaiting_first: set[int] = set()  # admitted, first token not out yet
+        self._synced: set[int] = set()  # finished: tokens written by the connector callback
+        self._t0_known: set[int] = set()  # remote prefills whose T0 is counted, not streamed
         self.spec_stats = SpecStats(self.mtp_k) if self.use_spec and self.mtp_k else None
         self.cache_stats = CacheStats() if prefix else None
         self.prefill_delayer: Any = None
         self._publisher = self._make_publisher(events) if events_on else None
+        if kv_connector is None and getattr(config, "kv_transfer_config", None):
+            kv_connector = _atom_kv_connector(config)
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            self._core.set_kv_connector(_AtomConnector(kv_connector, self))
 
     # ---- requests ---------------------------------------------------------------------------
     def add(self, seq: Any) -> None:
@@ -373,11 +445,26 @@ class Scheduler:
         if b is None:
             self._sync_preemptions()
             self._retire_finished_batches()
-            return self._flush_batch()
-        batch, seqs = self._build(b)
-        self._sync_preemptions()
-        self._forwarded.append(_Forwarded(b, batch.req_ids))
+            batch, seqs = self._flush_batch()
+        else:
+            batch, seqs = self._build(b)
+            self._sync_preemptions()
+            self._forwarded.append(_Forwarded(b, batch.req_ids))
+        if self.kv_connector is not None:  # as ATOM: once per schedule() that returns a batch
+            batch.connector_meta_output = self.kv_connector.build_connector_meta()
         return batch, seqs
+
+    def _update_from_kv_xfer_finished(self, kv_connector_output: Any) -> None:
+        """What the engine's KV transfers finished (``finished_sending``: the producer may free
+        those requests' blocks; ``finished_recving``: their KV is in place), as ATOM's engine core
+        reports it after each forward."""
+        if kv_connector_output is None:
+            return
+        sending = sorted(getattr(kv_connector_output, "finished_sending", None) or ())
+        recving = sorted(getattr(kv_connector_output, "finished_recving", None) or ())
+        if sending or recving:
+            self._core.update_from_kv_xfer_finished(finished_sending=sending,
+                                                    finished_recving=recving)
 
     def postprocess(self, seqs: Iterable[Any], fwd_output: ScheduledBatchOutput,
                     stream_output_queue: Any = None, batch: Any = None) -> list[Any]:
@@ -476,6 +563,10 @@ class Scheduler:
             seq = seqs[rid]
             if fresh:
                 self._admit(seq, slot)
+                if not prefill:  # a remote prefill's first decode: the core injected T0
+                    self._slot_ntokens[slot] = int(b.context_lens[i] - b.num_scheduled_tokens[i]
+                                                   + 1)
+                    self._t0_known.add(rid)
             table = seq.block_table
             if starts_l[i] < len(table):
                 del table[starts_l[i]:]
@@ -642,10 +733,11 @@ class Scheduler:
             now = time.time()
             for i in (i for i, sid in enumerate(ids) if sid in self._awaiting_first):
                 self._first_output(ids[i], cached[i], now)
-        finished, reasons = [], {}
+        finished, reasons, finished_by_id = [], {}, {}
         for i in np.flatnonzero(out.finished).tolist():
             reasons[i] = out.finish_reason(i)
             finished.append(self._finish(ids[i], reasons[i], time.time()))
+            finished_by_id[ids[i]] = finished[-1]
         if self.mtp_k:
             self._keep_spec_state(b, fwd_output)
             if self.spec_stats is not None and not b.is_prefill:
@@ -655,7 +747,9 @@ class Scheduler:
             outs = list(map(_new_output, zip(ids, new_of, repeat(False), repeat(None),
                                              repeat(None), cached)))
             for i, reason in reasons.items():
-                outs[i] = RequestOutput(ids[i], new_of[i], True, reason, None, cached[i])
+                outs[i] = RequestOutput(ids[i], new_of[i], True, reason,
+                                        getattr(finished_by_id[ids[i]], "kv_transfer_params_output",
+                                                None), cached[i])
             items = list(zip(ids, outs, strict=True))
             if len(toks) < n:  # entries without a token (a finish only) are not streamed
                 items = [item for item in items if item[1].output_tokens]
@@ -676,6 +770,11 @@ class Scheduler:
         own = slots >= 0
         own[own] = self._slot_owner[slots[own]] == ids[own]
         self._slot_ntokens[slots[own]] += counts[own]
+        if self._t0_known:  # their first output streams T0, counted at admission already
+            for i in (i for i, sid in enumerate(ids.tolist()) if sid in self._t0_known):
+                self._t0_known.discard(int(ids[i]))
+                if own[i]:
+                    self._slot_ntokens[slots[i]] -= 1
 
     def _first_output(self, sid: int, cached: int, now: float) -> None:
         self._awaiting_first.discard(sid)
@@ -702,6 +801,11 @@ class Scheduler:
     def _sync_tokens(self, seq: Any) -> None:
         """Write the tokens kept for ``seq`` into its lists and count."""
         new = self._pending.get(seq.id)
+        if seq.id in self._synced:  # the connector's request_finished wrote them all
+            self._synced.discard(seq.id)
+            if new:
+                new.clear()
+            return
         if new:
             seq.token_ids[seq.num_tokens:] = new
             seq.output_tokens.extend(new)

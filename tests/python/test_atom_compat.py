@@ -247,3 +247,113 @@ def test_random_streams_in_production_mode(seed, k):
     for seq in seqs:
         assert (seq.completion_token_ids, seq.leave_reason) == native[seq.id], seq.id
     assert len(res["finished"]) == len(reqs) and sched.is_finished()
+
+
+# ---- prefill/decode disaggregation through ATOM's connector names ------------------------------
+class StandInConnector:
+    """ATOM's scheduler-side connector as spec 5.6 describes it (Mooncake's semantics: no tag on
+    the probe): requests with ``do_remote_prefill`` load their prompt KV asynchronously; the
+    producer records ``kv_transfer_params_output`` at the finish."""
+
+    def __init__(self, is_producer: bool) -> None:
+        self.is_producer = is_producer
+        self.reqs_need_recv: dict[int, tuple] = {}
+        self.calls: list[tuple[str, int]] = []
+
+    def get_num_new_matched_tokens(self, seq):
+        self.calls.append(("match", seq.id))
+        params = seq.kv_transfer_params or {}
+        if params.get("do_remote_prefill"):
+            return seq.num_prompt_tokens, True
+        return 0, False
+
+    def update_state_after_alloc(self, seq):
+        self.calls.append(("alloc", seq.id))
+        params = seq.kv_transfer_params or {}
+        if params.get("do_remote_prefill"):
+            self.reqs_need_recv[seq.id] = (seq, list(seq.block_table))
+            params["do_remote_prefill"] = False
+
+    def build_connector_meta(self):
+        meta = {"reqs_to_recv": {sid: {"local_block_ids": blocks,
+                                       "remote_block_ids": seq.kv_transfer_params[
+                                           "remote_block_ids"]}
+                                 for sid, (seq, blocks) in self.reqs_need_recv.items()}}
+        self.reqs_need_recv = {}
+        return meta
+
+    def request_finished(self, seq):
+        self.calls.append(("finished", seq.id))
+        if self.is_producer:
+            seq.kv_transfer_params_output = {
+                "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": list(seq.block_table), "transfer_id": seq.id,
+                "first_token_id": seq.output_tokens[0] if seq.output_tokens else None,
+                "draft_token_ids": [int(t) for t in seq.spec_token_ids]}
+
+
+class XferOutput:
+    def __init__(self, finished_sending=(), finished_recving=()):
+        self.finished_sending, self.finished_recving = set(finished_sending), set(
+            finished_recving)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.parametrize("deferred", [False, True])
+def test_prefill_decode_disaggregation_through_atoms_connector(deferred, k):
+    """ATOM's connector calls (probe, alloc, meta, finish) and ``_update_from_kv_xfer_finished``
+    through the compat layer: the decode engine starts from the producer's first token (and
+    drafts), reads the transferred KV, and streams what one engine would."""
+    reqs = stream(seed=7, n=4)
+    model = model_for(k, reqs)
+    prompts = {rid: p for rid, p, _ in reqs}
+    prod = Scheduler(config(k), kv_connector=StandInConnector(True))
+    cons = Scheduler(config(k), kv_connector=StandInConnector(False))
+    runner_p = FakeRunner(model, k, prompts, BS, deferred, ScheduledBatchOutput)
+    runner_c = FakeRunner(model, k, prompts, BS, deferred, ScheduledBatchOutput)
+    # 1. The prefill engine: max_tokens=1, do_remote_decode.
+    for rid, p, _ in reqs:
+        seq = Sequence(p, BS, AtomSamplingParams(max_tokens=1, temperature=0.0), id=rid)
+        seq.kv_transfer_params = {"do_remote_decode": True}
+        prod.add(seq)
+    pre = {s.id: s for s in engine_loop(prod, runner_p)["finished"]}
+    held = prod._core.num_free_blocks
+    assert held < prod.config.num_blocks - 1, "the producer keeps the blocks until sent"
+    # 2. The decode engine: the same prompts with the producer's kv_transfer_params_output.
+    seqs = {}
+    for rid, p, sp in reqs:
+        out = pre[rid].kv_transfer_params_output
+        assert out["first_token_id"] == model.token(rid, 0)
+        assert len(out["draft_token_ids"]) == k
+        seq = Sequence(p, BS, sp, id=rid)
+        seq.kv_transfer_params = dict(out)
+        seqs[rid] = seq
+        cons.add(seq)
+    stream_q: queue.Queue = queue.Queue()
+    finished = []
+    for _ in range(2000):
+        if cons.is_finished():
+            break
+        result = cons.schedule()
+        assert cons.take_rejected() == []
+        batch, smap = result
+        for sid, recv in batch.connector_meta_output["reqs_to_recv"].items():
+            assert seqs[sid].status == SequenceStatus.WAITING_FOR_REMOTE_KVS
+            # The transfer: the producer's KV of those blocks into the consumer's blocks.
+            for rb, lb in zip(recv["remote_block_ids"], recv["local_block_ids"], strict=False):
+                for off in range(BS):
+                    if rb * BS + off in runner_p.kv:
+                        runner_c.kv[lb * BS + off] = runner_p.kv[rb * BS + off]
+            cons._update_from_kv_xfer_finished(XferOutput(finished_recving=[sid]))
+            prod._update_from_kv_xfer_finished(XferOutput(finished_sending=[sid]))
+        if batch.req_ids:
+            finished += cons.postprocess(smap.values(), runner_c.forward(batch), stream_q)
+    assert prod._core.num_free_blocks == prod.config.num_blocks - 1
+    assert {s.id for s in finished} == set(prompts)
+    for rid, p, sp in reqs:
+        info = req_info(p, core_params(sp, []))
+        assert (seqs[rid].completion_token_ids, seqs[rid].leave_reason) == expected_output(
+            model, rid, info, cons.config)
+    assert cons._core.stats()["num_remote_prefills"] == len(reqs)
+    kinds = [c[0] for c in cons.kv_connector.calls]
+    assert kinds.count("alloc") == len(reqs) and kinds.count("finished") == len(reqs)
