@@ -357,3 +357,81 @@ def test_prefill_decode_disaggregation_through_atoms_connector(deferred, k):
     assert cons._core.stats()["num_remote_prefills"] == len(reqs)
     kinds = [c[0] for c in cons.kv_connector.calls]
     assert kinds.count("alloc") == len(reqs) and kinds.count("finished") == len(reqs)
+
+
+# ---- ATOM's documented behaviours (spec sections 3-5) through the compat API ------------------
+def test_stop_token_ids_of_the_config_end_a_request():
+    """Spec 3.1/4.3: the config's stop_token_ids end a request with "stop_<id>" (not with
+    ignore_eos); the stop token is kept."""
+    model = FakeModel(0)
+    stop = model.token(1, 2)
+    sched = Scheduler(config(stop_token_ids=[stop]))
+    seq = Sequence(list(range(40, 49)), BS, AtomSamplingParams(max_tokens=10, temperature=0.0,
+                                                               ignore_eos=True), id=1)
+    sched.add(seq)
+    engine_loop(sched, FakeRunner(model, 0, {1: seq.token_ids[:9]}, BS, True,
+                                  ScheduledBatchOutput))
+    assert seq.leave_reason == f"stop_{stop}"
+    assert seq.completion_token_ids == [model.token(1, g) for g in range(3)]
+
+
+def test_static_rejections_have_atoms_texts():
+    """Spec 3.2: the three unschedulable reasons, in ATOM's words, without using the budget."""
+    sched = Scheduler(config(enable_chunked_prefill=False, max_num_batched_tokens=8,
+                             num_kvcache_blocks=6))
+    long_prompt = Sequence(list(range(40, 140)), BS, id=1)  # > max_model_len
+    over_budget = Sequence(list(range(40, 50)), BS, id=2)  # > budget, chunking off
+    ok = Sequence(list(range(40, 45)), BS, AtomSamplingParams(max_tokens=2), id=3)
+    sched.extend([long_prompt, over_budget, ok])
+    batch, _ = sched.schedule()
+    assert batch.req_ids == [3]
+    reasons = {s.id: s.leave_reason for s in sched.take_rejected()}
+    assert reasons[1].startswith("unschedulable: input tokens=100 > max_model_len=96.")
+    assert reasons[2].startswith("unschedulable: input tokens=10 > max_num_batched_tokens=8.")
+    big = Scheduler(config(num_kvcache_blocks=4))
+    big.add(Sequence(list(range(40, 60)), BS, id=4))  # 5 blocks > 3 usable
+    big.schedule()
+    (r,) = big.take_rejected()
+    assert r.leave_reason.startswith("unschedulable: needs 5 KV blocks for 20 input tokens")
+
+
+def test_queries_follow_the_queues():
+    """Spec 5.5: request counts, unfinished, next batch info, is_finished."""
+    sched = Scheduler(config(max_num_batched_tokens=8))
+    assert sched.is_finished() and not sched.has_requests()
+    assert sched.get_next_batch_info() == (False, 0, 0)
+    sched.add(Sequence(list(range(40, 52)), BS, AtomSamplingParams(max_tokens=3), id=1))
+    sched.add(Sequence(list(range(60, 63)), BS, AtomSamplingParams(max_tokens=3), id=2))
+    assert sched.get_request_counts() == (0, 2) and sched.get_num_unfinished_requests() == 2
+    assert sched.get_next_batch_info()[0] is True
+    batch, _ = sched.schedule()  # a chunk of request 1 (8 of 12 tokens)
+    assert batch.req_ids == [1] and batch.num_scheduled_tokens.tolist() == [8]
+    assert sched.get_request_counts() == (1, 1) and not sched.is_finished()
+
+
+def test_preemption_sends_a_sequence_back_to_waiting_without_blocks():
+    """Spec 3.6/3.7: when the pool runs short the tail of running is preempted: WAITING, no
+    blocks, re-prefilled later with its generated tokens (which it keeps)."""
+    k = 0
+    reqs = [(rid, list(range(100 * rid, 100 * rid + 14)),
+             AtomSamplingParams(max_tokens=30, temperature=0.0)) for rid in (1, 2, 3)]
+    model = model_for(k, reqs)
+    sched = Scheduler(config(num_kvcache_blocks=14, max_num_seqs=3))
+    seqs = {rid: Sequence(p, BS, sp, id=rid) for rid, p, sp in reqs}
+    sched.extend(seqs.values())
+    runner = FakeRunner(model, k, {rid: p for rid, p, _ in reqs}, BS, False,
+                        ScheduledBatchOutput)
+    seen_waiting = False
+    for _ in range(500):
+        if sched.is_finished():
+            break
+        batch, smap = sched.schedule()
+        for seq in seqs.values():
+            if seq.status == SequenceStatus.WAITING and seq.output_tokens:
+                seen_waiting = True  # preempted after generating: no blocks, tokens kept
+                assert seq.block_table == [] and seq.num_tokens > seq.num_prompt_tokens
+        if batch.req_ids:
+            sched.postprocess(smap.values(), runner.forward(batch), None)
+    assert seen_waiting and sched._core.stats()["num_preemptions"] > 0
+    for rid, seq in seqs.items():
+        assert seq.completion_token_ids == [model.token(rid, g) for g in range(30)]
