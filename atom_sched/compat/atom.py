@@ -261,6 +261,26 @@ class _Forwarded:
     req_ids: list[int]
 
 
+def _scheduled_batch(req_ids: list[int], nsched: np.ndarray, ctx: np.ndarray,
+                     is_prefill: np.ndarray, block_size: int, num_spec_step: int,
+                     **rows: Any) -> ScheduledBatch:
+    """A ScheduledBatch from its per-row fields (``rows``), with what ATOM derives from them:
+    each row's tokens in its last block, the totals, and the zeroed rejection counts (a row's
+    ``context_lens`` already accounts for them, see ``Scheduler._atom_context``)."""
+    n = len(req_ids)
+    prefill_tokens = int(nsched[is_prefill].sum())
+    num_prefill = int(is_prefill.sum())
+    return ScheduledBatch(
+        req_ids=req_ids, num_scheduled_tokens=nsched, context_lens=ctx,
+        num_rejected=np.zeros(n, np.int32), num_bonus=np.zeros(n, np.int32),
+        last_block_num_tokens=(ctx - (-(-ctx // block_size) - 1) * block_size).tolist(),
+        is_first_decode_without_local_prefill=[False] * n,
+        total_tokens_num=int(nsched.sum()), total_tokens_num_prefill=prefill_tokens,
+        total_tokens_num_decode=int(nsched.sum()) - prefill_tokens, total_seqs_num=n,
+        total_seqs_num_prefill=num_prefill, total_seqs_num_decode=n - num_prefill,
+        num_spec_step=num_spec_step, **rows)
+
+
 def _gather(items: list[Any], index: list[int]) -> list[Any]:
     """``[items[i] for i in index]``, gathered in C."""
     if len(index) > 1:
@@ -489,8 +509,6 @@ class Scheduler:
 
     # ---- building the batch -------------------------------------------------------------------
     def _build(self, b: Any) -> tuple[ScheduledBatch, Mapping[int, Any]]:
-        n = b.num_rows
-        bs = self.block_size
         slots = b.request_slots
         prev_prefill = self._slot_prefill[slots]  # the kind of each row's previous row
         self._sync_rows(b)
@@ -500,35 +518,24 @@ class Scheduler:
         if inexact.any():
             ctx[inexact] = self._atom_context(self._slot_ntokens[slots[inexact]],
                                               prev_prefill[inexact])
-        nsched = b.num_scheduled_tokens.copy()
-        nblocks = -(-ctx // bs)
-        seq_of = self._slot_seq
         slot_list = slots.tolist()
         req_ids = b.req_ids.tolist()
         st = b.scheduled_tokens
-        batch = ScheduledBatch(
-            req_ids=req_ids, num_scheduled_tokens=nsched,
+        batch = _scheduled_batch(
+            req_ids, b.num_scheduled_tokens.copy(), ctx, is_prefill, self.block_size,
+            0 if b.is_prefill else self.mtp_k,
             temperatures=b.temperatures.copy(), top_ks=b.top_ks.copy(), top_ps=b.top_ps.copy(),
             return_logprobs=self._slot_logprobs[slots].tolist(),
             needs_independent_noise=self._slot_noise[slots],
-            num_rejected=np.zeros(n, np.int32), num_bonus=np.zeros(n, np.int32),
-            num_cached_tokens=b.num_cached_tokens.tolist(), context_lens=ctx,
+            num_cached_tokens=b.num_cached_tokens.tolist(),
             # The EOS id where only the device knows the token, as ATOM's placeholders.
             scheduled_tokens=np.where(st < 0, np.int32(self.eos_token_id), st).astype(np.int32),
             block_tables=_gather(self._slot_table, slot_list),
-            last_block_num_tokens=(ctx - (nblocks - 1) * bs).tolist(),
-            is_first_decode_without_local_prefill=[False] * n,
-            external_request_ids=_gather(self._slot_ext, slot_list),
-            total_tokens_num=int(nsched.sum()),
-            total_tokens_num_prefill=int(nsched[is_prefill].sum()),
-            total_tokens_num_decode=int(nsched[~is_prefill].sum()),
-            total_seqs_num=n, total_seqs_num_prefill=int(is_prefill.sum()),
-            total_seqs_num_decode=int(n - is_prefill.sum()),
-            num_spec_step=0 if b.is_prefill else self.mtp_k)
+            external_request_ids=_gather(self._slot_ext, slot_list))
         if not b.is_prefill and self.mtp_k > 0:
             drafts = b.spec_draft_tokens
             batch.scheduled_spec_decode_tokens = drafts[drafts[:, 0] >= 0].copy()
-        return batch, _BatchSequences(req_ids, _gather(seq_of, slot_list))
+        return batch, _BatchSequences(req_ids, _gather(self._slot_seq, slot_list))
 
     def _atom_context(self, known: np.ndarray, after_prefill: np.ndarray) -> np.ndarray:
         """``context_lens`` of a decode row scheduled while its request's previous row is in
@@ -637,18 +644,13 @@ class Scheduler:
         ctx = self._atom_context(known, b.row_is_prefill[rows])
         tables = [seqs[rid].block_table + [0] * (-(-int(c) // bs) - len(seqs[rid].block_table))
                   for rid, c in zip(req_ids, ctx.tolist(), strict=True)]
-        batch = ScheduledBatch(
-            req_ids=req_ids, num_scheduled_tokens=np.full(n, q, np.int32),
+        batch = _scheduled_batch(
+            req_ids, np.full(n, q, np.int32), ctx, np.zeros(n, bool), bs, self.mtp_k,
             temperatures=b.temperatures[rows].copy(), top_ks=b.top_ks[rows].copy(),
             top_ps=b.top_ps[rows].copy(), return_logprobs=[False] * n,
-            needs_independent_noise=np.zeros(n, bool), num_rejected=np.zeros(n, np.int32),
-            num_bonus=np.zeros(n, np.int32), num_cached_tokens=(ctx - q).tolist(),
-            context_lens=ctx, scheduled_tokens=np.full(n * q, self.eos_token_id, np.int32),
-            block_tables=tables, last_block_num_tokens=(ctx - (-(-ctx // bs) - 1) * bs).tolist(),
-            is_first_decode_without_local_prefill=[False] * n,
-            external_request_ids=[getattr(s, "external_request_id", None) for s in seqs.values()],
-            total_tokens_num=n * q, total_tokens_num_decode=n * q, total_seqs_num=n,
-            total_seqs_num_decode=n, num_spec_step=self.mtp_k)
+            needs_independent_noise=np.zeros(n, bool), num_cached_tokens=(ctx - q).tolist(),
+            scheduled_tokens=np.full(n * q, self.eos_token_id, np.int32), block_tables=tables,
+            external_request_ids=[getattr(s, "external_request_id", None) for s in seqs.values()])
         if self.mtp_k > 0:
             batch.scheduled_spec_decode_tokens = np.zeros((0, self.mtp_k), np.int32)
         self._forwarded.append(_Forwarded(None, req_ids))

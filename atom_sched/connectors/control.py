@@ -158,7 +158,6 @@ class RemoteParams:
     first_token_id: int | None
     draft_token_ids: list[int]
     num_prompt_tokens: int | None
-    raw: dict[str, Any]  # as given, for the engine's records
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -194,4 +193,4 @@ def parse_remote_params(p: Any, max_blocks: int) -> RemoteParams:
             p, "num_prompt_tokens", 1, 1 << 40)
     except FrameError as e:
         raise ValueError(f"kv_transfer_params: {e}") from None
-    return RemoteParams(blocks, host, port, tid, first, list(drafts), n_prompt, dict(p))
+    return RemoteParams(blocks, host, port, tid, first, list(drafts), n_prompt)

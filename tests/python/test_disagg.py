@@ -218,9 +218,7 @@ def test_producer_holds_blocks_until_the_consumer_acknowledges(tiny):
     path, prompts, params, ref = tiny
     pair = Pair(path)
     try:
-        pair.submit(0, prompts[0], params)
-        while 0 not in pair.prefilled:
-            pair.step(forward=False)
+        pair.prefill_only([0], prompts, params)
         sched = pair.pre.scheduler
         held = len(pair.prefilled[0].kv_transfer_params["remote_block_ids"])
         for _ in range(5):  # nobody pulls: the blocks stay held, the engine keeps polling
@@ -242,9 +240,7 @@ def test_failed_transfer_ends_only_its_request(tiny):
     path, prompts, params, ref = tiny
     pair = Pair(path)
     try:
-        pair.submit(0, prompts[0], params)
-        while 0 not in pair.prefilled:
-            pair.step(forward=False)
+        pair.prefill_only([0], prompts, params)
         bogus = dict(pair.prefilled[0].kv_transfer_params, transfer_id="77" * 16)
         pair.dec.add_request(prompts[0], params, request_id=5, kv_transfer_params=bogus)
         pair.dec.add_request(prompts[1], params, request_id=6)  # an ordinary local request
@@ -267,9 +263,7 @@ def test_abort_before_admission_releases_the_producer(tiny):
     path, prompts, params, _ = tiny
     pair = Pair(path)
     try:
-        pair.submit(0, prompts[0], params)
-        while 0 not in pair.prefilled:
-            pair.step(forward=False)
+        pair.prefill_only([0], prompts, params)
         pair.dec.add_request(prompts[0], params, request_id=0,
                              kv_transfer_params=pair.prefilled[0].kv_transfer_params)
         pair.dec.abort(0)  # never scheduled: nothing will pull the KV

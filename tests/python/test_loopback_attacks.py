@@ -36,10 +36,7 @@ def held(tiny):
     """A pair whose prefill engine holds prompt 0's KV for a pull nobody has made yet."""
     path, prompts, params, ref = tiny
     pair = Pair(path)
-    pair.submit(0, prompts[0], params)
-    pair.submit(1, prompts[1], params)
-    while not {0, 1} <= set(pair.prefilled):
-        pair.step(forward=False)
+    pair.prefill_only([0, 1], prompts, params)
     yield pair, prompts, params, ref
     pair.close()
 

@@ -42,9 +42,7 @@ def held(tiny):
     """A NIXL pair whose prefill engine holds prompt 0's KV, not read yet."""
     path, prompts, params, ref = tiny
     pair = Pair(path, transport="nixl")
-    pair.submit(0, prompts[0], params)
-    while 0 not in pair.prefilled:
-        pair.step(forward=False)
+    pair.prefill_only([0], prompts, params)
     yield pair, prompts, params, ref
     pair.close()
 

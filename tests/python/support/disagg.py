@@ -64,6 +64,17 @@ class Pair:
         self.pre.add_request(prompt, GenerationParams(max_tokens=1, ignore_eos=True),
                              request_id=rid, kv_transfer_params={"do_remote_decode": True})
 
+    def prefill_only(self, rids, prompts, params):
+        """Submit ``rids`` and step until the prefill engine has finished them, without handing
+        them to the decode engine: their KV stays held there."""
+        for rid in rids:
+            self.submit(rid, prompts[rid], params)
+        for _ in range(10_000):
+            if set(rids) <= set(self.prefilled):
+                return
+            self.step(forward=False)
+        raise AssertionError("the prefill engine did not finish")
+
     def step(self, forward=True):
         for ev in self.pre.step():
             if ev.finished:
