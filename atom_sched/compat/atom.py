@@ -697,15 +697,21 @@ class Scheduler:
         if bad.size:
             i = int(bad[0])
             raise ValueError(f"postprocess: request {out.req_ids[i]} got {lens[i]} tokens")
-        if k == 0:  # one token each
-            return (np.fromiter(chain.from_iterable(rows), np.int32, n),)
-        sampled = np.zeros((n, k + 1), np.int32)
-        for i, toks in enumerate(rows):
-            sampled[i, :len(toks)] = toks
-        drafts = out.draft_token_ids
-        if drafts is None or len(drafts) == 0:
-            drafts = np.full((n, k), -1, np.int32)
-        drafts = np.asarray(drafts, dtype=np.int32).reshape(n, k)
+        try:
+            if k == 0:  # one token each
+                return (np.fromiter(chain.from_iterable(rows), np.int32, n),)
+            sampled = np.zeros((n, k + 1), np.int32)
+            for i, toks in enumerate(rows):
+                sampled[i, :len(toks)] = toks
+            drafts = out.draft_token_ids
+            if drafts is None or len(drafts) == 0:
+                drafts = np.full((n, k), -1, np.int32)
+            drafts = np.asarray(drafts, dtype=np.int32)
+        except (OverflowError, TypeError, ValueError) as e:
+            raise ValueError(f"postprocess: token ids must be int32 integers ({e})") from None
+        if drafts.shape != (n, k):
+            raise ValueError(f"postprocess: draft_token_ids of shape {drafts.shape}, the batch "
+                             f"needs ({n}, {k})")
         return sampled, (None if b.is_prefill else lens), drafts
 
     def _deliver(self, out: Any, b: Any, fwd_output: ScheduledBatchOutput,

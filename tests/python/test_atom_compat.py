@@ -435,3 +435,26 @@ def test_preemption_sends_a_sequence_back_to_waiting_without_blocks():
     assert seen_waiting and sched._core.stats()["num_preemptions"] > 0
     for rid, seq in seqs.items():
         assert seq.completion_token_ids == [model.token(rid, g) for g in range(30)]
+
+
+def test_hostile_runner_outputs_are_refused_and_change_nothing():
+    """Outputs a broken runner could send (K=2): drafts of the wrong shape, negative or huge
+    tokens, a token row wider than the row; each is a ValueError, and the right outputs still
+    apply afterwards."""
+    sched = Scheduler(config(2))
+    sched.add(Sequence(list(range(40, 46)), BS, AtomSamplingParams(max_tokens=5), id=1))
+    batch, seqs = sched.schedule()
+
+    def out(tokens, drafts):
+        return ScheduledBatchOutput([1], tokens, None, None, drafts)
+
+    bad = [out([(5,)], np.zeros((1, 3), np.int32)), out([(-5,)], np.zeros((1, 2), np.int32)),
+           out([(2**40,)], np.zeros((1, 2), np.int32)), out([(5, 6)], np.zeros((1, 2), np.int32)),
+           out([(5,)], np.full((1, 2), -7, np.int32)), out([()], np.zeros((1, 2), np.int32))]
+    for o in bad:
+        with pytest.raises(ValueError):
+            sched.postprocess(seqs.values(), o, None)
+        sched._core.check_invariants()
+    q: queue.Queue = queue.Queue()
+    sched.postprocess(seqs.values(), out([(5,)], np.array([[6, 7]], np.int32)), q)
+    assert [(sid, o.output_tokens) for sid, o in q.get_nowait()] == [(1, [5])]

@@ -38,6 +38,8 @@ BAD_GENERATE = [
     (["--top-p", "0"], "--top-p"),
     (["--seed", "-3"], "--seed"),
     (["--min-tokens", "200", "--max-tokens", "20"], "--min-tokens"),
+    (["--disagg", "nixl", "--check"], "--check"),
+    (["--disagg", "loopback", "--threads", "0"], "--threads"),
 ]
 
 
@@ -122,3 +124,20 @@ def test_request_outgrowing_the_kv_pool_finishes_kv_capacity():
     out, err = r.stdout.decode(), r.stderr.decode()
     assert r.returncode == 0, err
     assert "(kv_capacity, " in out and "Traceback" not in err, (out, err)
+
+
+@pytest.mark.parametrize("transport", ["nixl", "loopback"])
+def test_disaggregated_generate_takes_text_and_reports_the_transfer(transport):
+    """`generate --disagg`: a prefill and a decode engine in two processes serve text prompts
+    (the issue found the old snippet needed token ids); the answer is the one engine's."""
+    if os.environ.get("ATOM_SCHED_SKIP_E2E"):
+        pytest.skip("ATOM_SCHED_SKIP_E2E is set")
+    args = ["--max-tokens", "12", "--kv-blocks", "64", "What is the capital of France?"]
+    one = run_cli("generate", "--no-stream", *args)
+    two = run_cli("generate", "--disagg", transport, *args)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr.decode()[-2000:]
+    out = two.stdout.decode()
+    assert f"KV moved by {transport}:" in out and ", 0 failed" in out
+    answer = [ln for ln in out.splitlines() if ln.startswith("    ")]
+    assert answer and all(ln in one.stdout.decode() for ln in answer)
+
