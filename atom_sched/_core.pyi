@@ -39,6 +39,7 @@ class SchedulerConfig:
     scheduling: Literal["fcfs", "priority"]
     long_prefill_token_threshold: int
     cache_decode_blocks: bool
+    uniform_decode_rows: bool
     def __init__(
         self,
         num_blocks: int,
@@ -59,6 +60,7 @@ class SchedulerConfig:
         scheduling: Literal["fcfs", "priority"] = "fcfs",
         long_prefill_token_threshold: int = 0,
         cache_decode_blocks: bool = True,
+        uniform_decode_rows: bool = False,
     ) -> None: ...
     def validate(self) -> None: ...
     @property
@@ -287,6 +289,7 @@ class Scheduler:
         arrival_time: float | None = None,
     ) -> None: ...
     def abort_request(self, request_id: int) -> None: ...
+    def preempt_request(self, request_id: int) -> None: ...
     def schedule(self, allow_prefill: bool = True, now: float | None = None) -> Batch | None: ...
     def update(
         self,

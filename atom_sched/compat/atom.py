@@ -255,7 +255,7 @@ class _BatchSequences(Mapping):
 @dataclass
 class _Forwarded:
     """A batch handed to the runner whose outputs have not come back: ``core`` is the core's
-    batch, or None for a flush batch (see ``Scheduler._flush_batch``)."""
+    batch, or None for a dummy batch (see ``Scheduler._dummy_batch``)."""
 
     core: Any
     req_ids: list[int]
@@ -273,12 +273,17 @@ def _scheduled_batch(req_ids: list[int], nsched: np.ndarray, ctx: np.ndarray,
     return ScheduledBatch(
         req_ids=req_ids, num_scheduled_tokens=nsched, context_lens=ctx,
         num_rejected=np.zeros(n, np.int32), num_bonus=np.zeros(n, np.int32),
-        last_block_num_tokens=(ctx - (-(-ctx // block_size) - 1) * block_size).tolist(),
+        last_block_num_tokens=_last_block_tokens(ctx, block_size).tolist(),
         is_first_decode_without_local_prefill=[False] * n,
         total_tokens_num=int(nsched.sum()), total_tokens_num_prefill=prefill_tokens,
         total_tokens_num_decode=int(nsched.sum()) - prefill_tokens, total_seqs_num=n,
         total_seqs_num_prefill=num_prefill, total_seqs_num_decode=n - num_prefill,
         num_spec_step=num_spec_step, **rows)
+
+
+def _last_block_tokens(ctx: np.ndarray, block_size: int) -> np.ndarray:
+    """Tokens in each row's last block (1..block_size), as ATOM's ``last_block_num_tokens``."""
+    return ctx - (-(-ctx // block_size) - 1) * block_size
 
 
 def _gather(items: list[Any], index: list[int]) -> list[Any]:
@@ -387,7 +392,9 @@ class Scheduler:
             num_speculative_tokens=self.mtp_k, eos_token_id=self.eos_token_id,
             stop_token_ids=self.stop_token_ids,
             scheduler_delay_factor=float(getattr(config, "scheduler_delay_factor", 0.0) or 0.0),
-            enable_kv_events=events_on)
+            enable_kv_events=events_on,
+            # ATOM's runner verifies every decode row as K+1 tokens (see _pad_short_rows).
+            uniform_decode_rows=self.mtp_k > 0)
         self._core = CoreScheduler(self.config)
         self._enable_tbo = bool(getattr(config, "enable_tbo", False))
         self._seqs: dict[int, Any] = {}  # live sequences (waiting or running) by id
@@ -465,7 +472,7 @@ class Scheduler:
         if b is None:
             self._sync_preemptions()
             self._retire_finished_batches()
-            batch, seqs = self._flush_batch()
+            batch, seqs = self._dummy_batch()
         else:
             batch, seqs = self._build(b)
             self._sync_preemptions()
@@ -501,7 +508,7 @@ class Scheduler:
             raise ValueError("postprocess: the outputs' req_ids are not those of the oldest "
                              "forwarded batch (outputs lost or reordered)")
         b = fwd.core
-        if b is not None:  # (a flush batch's rows ended with the batch before it: dropped)
+        if b is not None:  # (a dummy batch's outputs are dropped)
             # Checked first, then applied: a refused output changes nothing.
             out = self._core.update(b, *self._update_args(b, fwd_output))
         self._forwarded.popleft()
@@ -521,6 +528,7 @@ class Scheduler:
         slot_list = slots.tolist()
         req_ids = b.req_ids.tolist()
         st = b.scheduled_tokens
+        eos = np.int32(self.eos_token_id)
         batch = _scheduled_batch(
             req_ids, b.num_scheduled_tokens.copy(), ctx, is_prefill, self.block_size,
             0 if b.is_prefill else self.mtp_k,
@@ -529,13 +537,40 @@ class Scheduler:
             needs_independent_noise=self._slot_noise[slots],
             num_cached_tokens=b.num_cached_tokens.tolist(),
             # The EOS id where only the device knows the token, as ATOM's placeholders.
-            scheduled_tokens=np.where(st < 0, np.int32(self.eos_token_id), st).astype(np.int32),
+            scheduled_tokens=np.where(st < 0, eos, st).astype(np.int32),
             block_tables=_gather(self._slot_table, slot_list),
             external_request_ids=_gather(self._slot_ext, slot_list))
         if not b.is_prefill and self.mtp_k > 0:
-            drafts = b.spec_draft_tokens
-            batch.scheduled_spec_decode_tokens = drafts[drafts[:, 0] >= 0].copy()
+            # The drafts of the rows whose inputs the host knows (the device holds the others'),
+            # missing ones as placeholders.
+            drafts = b.spec_draft_tokens[b.row_exact]
+            batch.scheduled_spec_decode_tokens = np.where(drafts < 0, eos, drafts)
+            if (batch.num_scheduled_tokens <= self.mtp_k).any():
+                self._pad_short_rows(b, batch)
         return batch, _BatchSequences(req_ids, _gather(self._slot_seq, slot_list))
+
+    def _pad_short_rows(self, b: Any, batch: ScheduledBatch) -> None:
+        """ATOM's runner verifies K+1 tokens per decode row. The core schedules fewer only for a
+        row at the position limit (``uniform_decode_rows``), and accepting its tokens ends the
+        request: the row is padded to K+1 with placeholders, its extra KV positions pointing at
+        the null block, and tokens accepted past its real ones are dropped at postprocess (as
+        those past a stop)."""
+        q, bs = self.mtp_k + 1, self.block_size
+        nsched = batch.num_scheduled_tokens
+        short = np.flatnonzero(nsched < q)
+        missing = q - nsched[short]
+        ends = b.cu_seqlens_q[1:][short]
+        batch.scheduled_tokens = np.insert(batch.scheduled_tokens, np.repeat(ends, missing),
+                                           np.int32(self.eos_token_id))
+        nsched[short] = q
+        batch.context_lens[short] += missing
+        tables = batch.block_tables
+        for i, c in zip(short.tolist(), batch.context_lens[short].tolist(), strict=True):
+            tables[i] = tables[i] + [0] * (-(-c // bs) - len(tables[i]))
+        batch.last_block_num_tokens = _last_block_tokens(batch.context_lens, bs).tolist()
+        extra = int(missing.sum())
+        batch.total_tokens_num += extra
+        batch.total_tokens_num_decode += extra
 
     def _atom_context(self, known: np.ndarray, after_prefill: np.ndarray) -> np.ndarray:
         """``context_lens`` of a decode row scheduled while its request's previous row is in
@@ -614,47 +649,44 @@ class Scheduler:
             return
         running = set(self._core.running_ids())
         for sid in [s for s in self._running if s not in running]:
-            self._running.discard(sid)
-            self._release_slot(sid)
-            seq = self._seqs[sid]
-            self._sync_tokens(seq)
-            seq.status = _enum_member(seq.status, "WAITING")
-            seq.block_table.clear()
-            seq.num_cached_tokens = 0
+            self._back_to_waiting(self._seqs[sid])
 
-    def _flush_batch(self) -> tuple[ScheduledBatch, dict[int, Any]]:
-        """The core has nothing to run, but a batch's outputs are still in the runner: a deferred
-        runner gives them back only with its next forward. When that batch's requests end with
-        those outputs by a length rule (why the core gave them no row), ATOM would run them once
-        more and drop the results; this batch does that: one decode row per such request, its
-        KV written past the request's blocks into the null block."""
-        if not self._forwarded or self._forwarded[-1].core is None:
+    def _back_to_waiting(self, seq: Any) -> None:
+        """ATOM's preempt on the engine's Sequence: WAITING, no blocks, its tokens so far
+        written in, the speculative state of its last output cleared."""
+        self._running.discard(seq.id)
+        self._release_slot(seq.id)
+        self._sync_tokens(seq)
+        seq.status = _enum_member(seq.status, "WAITING")
+        seq.block_table.clear()
+        seq.num_cached_tokens = 0
+        seq.num_rejected = seq.num_bonus_tokens = 0
+        seq.spec_token_ids = np.zeros(0, np.int32)
+        seq.is_first_decode = False
+
+    def _dummy_batch(self) -> tuple[ScheduledBatch, dict[int, Any]]:
+        """The core has nothing to run now. If a batch of its is in flight, a deferred runner
+        still holds that batch's outputs and gives them back only with its next forward (and the
+        core may be waiting for them: requests ending with them by length get no row, a
+        preempted request is readmitted only once they land): return ATOM's dummy batch
+        (``dummy_execution``: one decode row, id -1, K+1 zero tokens, ``is_dummy_run``), its KV
+        in the null block. Its own outputs are dropped when they come. Otherwise an empty
+        batch (the engine skips the forward)."""
+        if not any(fwd.core is not None for fwd in self._forwarded):
             return ScheduledBatch(), {}
-        b = self._forwarded[-1].core
-        rows = [i for i, rid in enumerate(b.req_ids.tolist())
-                if rid in self._running and self._ends_by_length(rid)]
-        if not rows:
-            logger.warning("nothing to schedule while a batch is in flight and its requests go "
-                           "on: a deferred runner holds their outputs until the next forward")
-            return ScheduledBatch(), {}
-        q, bs, n = self.mtp_k + 1, self.block_size, len(rows)
-        req_ids = [int(b.req_ids[i]) for i in rows]
-        seqs = {rid: self._seqs[rid] for rid in req_ids}
-        known = self._slot_ntokens[[self._slot_of[rid] for rid in req_ids]]
-        ctx = self._atom_context(known, b.row_is_prefill[rows])
-        tables = [seqs[rid].block_table + [0] * (-(-int(c) // bs) - len(seqs[rid].block_table))
-                  for rid, c in zip(req_ids, ctx.tolist(), strict=True)]
+        q, bs = self.mtp_k + 1, self.block_size
         batch = _scheduled_batch(
-            req_ids, np.full(n, q, np.int32), ctx, np.zeros(n, bool), bs, self.mtp_k,
-            temperatures=b.temperatures[rows].copy(), top_ks=b.top_ks[rows].copy(),
-            top_ps=b.top_ps[rows].copy(), return_logprobs=[False] * n,
-            needs_independent_noise=np.zeros(n, bool), num_cached_tokens=(ctx - q).tolist(),
-            scheduled_tokens=np.full(n * q, self.eos_token_id, np.int32), block_tables=tables,
-            external_request_ids=[getattr(s, "external_request_id", None) for s in seqs.values()])
+            [-1], np.full(1, q, np.int32), np.full(1, q, np.int32), np.zeros(1, bool), bs,
+            self.mtp_k, temperatures=np.zeros(1, np.float32), top_ks=np.full(1, -1, np.int32),
+            top_ps=np.ones(1, np.float32), return_logprobs=[False],
+            needs_independent_noise=np.zeros(1, bool), num_cached_tokens=[0],
+            scheduled_tokens=np.zeros(q, np.int32), block_tables=[[0] * -(-q // bs)],
+            external_request_ids=[None])
+        batch.is_dummy_run = True
         if self.mtp_k > 0:
-            batch.scheduled_spec_decode_tokens = np.zeros((0, self.mtp_k), np.int32)
-        self._forwarded.append(_Forwarded(None, req_ids))
-        return batch, seqs
+            batch.scheduled_spec_decode_tokens = np.zeros((1, self.mtp_k), np.int32)
+        self._forwarded.append(_Forwarded(None, [-1]))
+        return batch, {}
 
     def _retire_finished_batches(self) -> None:
         """A forwarded batch whose requests have all finished (its rows were scheduled one step
@@ -675,15 +707,6 @@ class Scheduler:
                                   np.full((n, k), -1, np.int32))
             fwd.core = None
 
-    def _ends_by_length(self, sid: int) -> bool:
-        """Whether the output in flight ends ``sid`` whatever it is: ``max_tokens``, or the
-        position limit (``max_model_len``, the pool's capacity). The core's rule for not giving
-        such a request another row (docs/api.md, Policy step 4)."""
-        seq = self._seqs[sid]
-        known = int(self._slot_ntokens[self._slot_of[sid]])
-        limit = min(self.max_model_len, (self.config.num_blocks - 1) * self.block_size)
-        return known - seq.num_prompt_tokens + 1 >= seq.max_tokens or known + 1 >= limit
-
     # ---- outputs ------------------------------------------------------------------------------
     def _update_args(self, b: Any, out: ScheduledBatchOutput) -> tuple[Any, ...]:
         """``update()``'s arrays from ATOM's outputs (checked: ValueError names what is wrong)."""
@@ -692,7 +715,7 @@ class Scheduler:
         if len(rows) != n:
             raise ValueError(f"postprocess: {len(rows)} token rows for {n} requests")
         lens = np.fromiter(map(len, rows), np.int32, n)
-        limit = np.where(b.row_is_prefill, 1, b.num_scheduled_tokens)
+        limit = np.where(b.row_is_prefill, 1, k + 1)  # the runner's width (see _pad_short_rows)
         bad = np.flatnonzero((lens < 1) | (lens > limit))
         if bad.size:
             i = int(bad[0])
@@ -712,7 +735,8 @@ class Scheduler:
         if drafts.shape != (n, k):
             raise ValueError(f"postprocess: draft_token_ids of shape {drafts.shape}, the batch "
                              f"needs ({n}, {k})")
-        return sampled, (None if b.is_prefill else lens), drafts
+        # A padded row accepts at most its real tokens (the rest lie past the position limit).
+        return sampled, (None if b.is_prefill else np.minimum(lens, b.num_scheduled_tokens)), drafts
 
     def _deliver(self, out: Any, b: Any, fwd_output: ScheduledBatchOutput,
                  stream: Any) -> list[Any]:
@@ -854,8 +878,17 @@ class Scheduler:
         return self._core.get_next_batch_info()
 
     def preempt(self, seq: Any) -> None:
-        raise NotImplementedError("the core preempts by itself (recompute, tail of running); "
-                                  "preempting a chosen sequence from outside is not supported")
+        """Preempt a running sequence now (ATOM's ``preempt``, recompute): its blocks are freed,
+        it goes back to the head of waiting with its tokens, and is prefilled again when it is
+        readmitted. A batch in flight that holds it still delivers its tokens. ValueError if
+        ``seq`` is not one of this scheduler's running sequences (nothing changes)."""
+        sid = getattr(seq, "id", None)
+        if type(sid) is not int or self._seqs.get(sid) is not seq:
+            raise ValueError(f"preempt: sequence {sid!r} is not queued in this scheduler")
+        if sid not in self._running:
+            raise ValueError(f"preempt: sequence {sid} is not running")
+        self._core.preempt_request(sid)
+        self._back_to_waiting(seq)
 
     # ---- data parallel, KV events ------------------------------------------------------------
     def set_prefill_delayer(self, delayer: Any) -> None:

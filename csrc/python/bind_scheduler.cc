@@ -540,6 +540,14 @@ void bind_scheduler(py::module_& m) {
             with_core(h, [&](Scheduler& c) { c.abort_request(id); });
           },
           "request_id"_a)
+      .def(
+          "preempt_request",
+          [](SchedulerHandle& h, int64_t id) {
+            with_core(h, [&](Scheduler& c) { c.preempt_request(id); });
+          },
+          "request_id"_a,
+          "Preempt a running request now (recompute): KV freed, tokens kept, back to the head "
+          "of waiting. KeyError if not live, ValueError if not running.")
       .def("schedule", &schedule, "allow_prefill"_a = true, "now"_a = py::none())
       .def("update", &update, "batch"_a, "sampled_token_ids"_a, "num_accepted"_a = py::none(),
            "draft_token_ids"_a = py::none(), "logprobs"_a = py::none())

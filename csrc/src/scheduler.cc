@@ -279,6 +279,20 @@ void Scheduler::abort_request(int64_t id) {
   finish(slot, FinishReason::kAborted, -1);
 }
 
+void Scheduler::preempt_request(int64_t id) {
+  const int32_t slot = slot_of(id);
+  if (slot < 0) throw UnknownRequest("unknown request id " + id_str(id));
+  const RequestStatus status = requests_[slot].status;
+  if (status != RequestStatus::kRunning) {
+    const char* what = status == RequestStatus::kWaiting               ? "waiting"
+                       : status == RequestStatus::kWaitingForRemoteKv ? "waiting for remote KV"
+                                                                       : "finished";
+    throw InvalidArgument("preempt_request(" + id_str(id) + "): the request is " + what +
+                          ", not running");
+  }
+  preempt(slot);
+}
+
 void Scheduler::track_partial(int32_t slot) {
   // In running order: FCFS appends (admissions join the back of running), priority sorts.
   const ServiceOrder order{config_.scheduling};
@@ -568,6 +582,7 @@ int32_t Scheduler::decode_row_tokens(const Request& r) const {
   // pool: drafts past the limit are not scheduled (as vLLM). S is an upper bound one step ahead,
   // so the device's exact positions are below the limit too.
   const int32_t n = std::clamp(position_limit_ - r.num_computed_tokens, 0, k_ + 1);
+  if (config_.uniform_decode_rows) return r.num_inflight > 0 && n <= k_ ? 0 : n;
   // With its drafts known (nothing in flight), a row verifies only those the drafter proposed,
   // and reserves KV for them only. One step ahead they are not known yet: K+1, an upper bound
   // (the device pads missing drafts and never accepts them).

@@ -345,6 +345,83 @@ TEST(SchedulerTest, AbortWaitingAndRunningRequests) {
   EXPECT_EQ(h.s.block_pool().num_free_blocks(), 8);
 }
 
+// preempt_request(): an engine's own victim (ATOM's Scheduler.preempt(seq)).
+TEST(SchedulerTest, PreemptRequestRequeuesAtTheHeadKeepingTokens) {
+  H h(Cfg(8));
+  h.add(1, Seq(100, 5));
+  h.add(2, Seq(200, 5));
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  h.upd(*s1, {10, 20});
+  h.add(3, Seq(300, 5));  // waits behind the preempted one
+  const int32_t free_before = h.s.block_pool().num_free_blocks();
+  h.s.preempt_request(1);
+  h.Inv("preempt_request");
+  EXPECT_EQ(h.s.block_pool().num_free_blocks(), free_before + 2);
+  EXPECT_EQ(h.s.waiting_ids(), (V64{1, 3})) << "a preempted request resumes first";
+  EXPECT_EQ(h.s.running_ids(), V64{2});
+  EXPECT_EQ(h.s.stats().num_preemptions, 1);
+  EXPECT_EQ(h.s.request(1).tokens, Cat(Seq(100, 5), V{10}));
+  // Its prompt and token are prefilled again (recompute), the next token follows on.
+  auto s2 = h.sched();
+  ASSERT_TRUE(s2);
+  ASSERT_TRUE(s2->is_prefill);
+  const int32_t row = s2->row_of(1);
+  ASSERT_GE(row, 0);
+  const V all = Cat(Seq(100, 5), V{10});
+  EXPECT_EQ(s2->ncached[row], 4) << "its full block is still in the prefix cache";
+  EXPECT_EQ(s2->row_tokens(row), V(all.begin() + s2->ncached[row], all.end()));
+  V sampled(static_cast<size_t>(s2->num_rows), 30);
+  sampled[static_cast<size_t>(row)] = 11;
+  auto o2 = h.upd(*s2, sampled);
+  EXPECT_EQ(o2.tokens(1), V{11});
+}
+
+TEST(SchedulerTest, PreemptRequestWithItsBatchInFlightKeepsThatBatchsToken) {
+  H h(Cfg(8));
+  h.add(1, Seq(100, 5));
+  h.add(2, Seq(200, 5));
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  auto s2 = h.sched();  // one step ahead: decode rows while the prefill is in flight
+  ASSERT_TRUE(s2);
+  h.s.preempt_request(2);  // in both outstanding batches
+  h.Inv("preempt_request in flight");
+  auto o1 = h.upd(*s1, {10, 20});
+  EXPECT_EQ(o1.tokens(2), V{20});
+  auto o2 = h.upd(*s2, {11, 21});
+  EXPECT_EQ(o2.tokens(2), V{21}) << "computed on KV freed only for later batches: kept";
+  EXPECT_EQ(h.s.request(2).tokens, Cat(Seq(200, 5), V{20, 21}));
+  auto s3 = h.sched();
+  ASSERT_TRUE(s3);
+  EXPECT_TRUE(s3->is_prefill);
+  EXPECT_EQ(s3->req_ids, V64{2});
+  const V all = Cat(Seq(200, 5), V{20, 21});
+  EXPECT_EQ(s3->ctx[0], 7);
+  EXPECT_EQ(s3->row_tokens(0), V(all.begin() + s3->ncached[0], all.end()));
+}
+
+TEST(SchedulerTest, PreemptRequestRefusesWhatIsNotRunningAndChangesNothing) {
+  H h(Cfg(8));
+  h.add(1, Seq(100, 5), P(1));
+  h.add(2, Seq(200, 5));
+  const State before = Capture(h.s);
+  EXPECT_THROW(h.s.preempt_request(1), InvalidArgument) << "waiting";
+  EXPECT_THROW(h.s.preempt_request(7), UnknownRequest);
+  EXPECT_THROW(h.s.preempt_request(-1), UnknownRequest);
+  ExpectSame(before, Capture(h.s), "preempt_request of waiting or unknown ids");
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  h.upd(*s1, {10, 20});  // 1 finishes (max_tokens 1)
+  EXPECT_THROW(h.s.preempt_request(1), UnknownRequest) << "finished";
+  try {
+    h.s.preempt_request(3);
+  } catch (const UnknownRequest& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown request id 3"), std::string::npos);
+  }
+  EXPECT_EQ(h.s.stats().num_preemptions, 0);
+}
+
 TEST(SchedulerTest, Stats) {
   SchedulerConfig c = Cfg(16);
   c.max_model_len = 32;

@@ -467,5 +467,74 @@ TEST(SchedulerTest, OneStepAheadWithDraftsReconcilesTheComputedCount) {
   EXPECT_EQ(s4->exact, std::vector<uint8_t>{1});
 }
 
+// uniform_decode_rows: every decode row verifies K+1 (ATOM's runner verifies [rows, K+1]).
+SchedulerConfig UniformCfg(int32_t k, int32_t max_model_len) {
+  SchedulerConfig c = SpecCfg(32, k);
+  c.max_model_len = max_model_len;
+  c.uniform_decode_rows = true;
+  return c;
+}
+
+TEST(SchedulerTest, UniformDecodeRowsVerifyKPlusOneWithFewerDrafts) {
+  for (bool uniform : {false, true}) {
+    SCOPED_TRACE(uniform ? "uniform" : "real drafts only");
+    SchedulerConfig c = UniformCfg(2, 64);
+    c.uniform_decode_rows = uniform;
+    H h(c);
+    h.add(1, Seq(100, 5));
+    auto s1 = h.sched();
+    ASSERT_TRUE(s1);
+    h.upd(*s1, {20, -1, -1}, {}, {7, -1});  // the drafter proposed one draft of two
+    auto s2 = h.sched();
+    ASSERT_TRUE(s2);
+    EXPECT_EQ(s2->nsched[0], uniform ? 3 : 2);
+    EXPECT_EQ(s2->row_drafts(0), (V{7, -1}));
+    EXPECT_EQ(s2->row_tokens(0), uniform ? (V{20, 7, -1}) : (V{20, 7}));
+    auto o2 = h.upd(*s2, {21, 22, 23}, {uniform ? 3 : 2}, {8, 9});
+    EXPECT_EQ(o2.tokens(1), uniform ? (V{21, 22, 23}) : (V{21, 22}));
+  }
+}
+
+TEST(SchedulerTest, UniformDecodeRowsWaitOneStepAheadAndAreShortOnlyAtTheLimit) {
+  {
+    // K = 2, limit 16: one step ahead only one position fits: no row until the outputs land.
+    H h(UniformCfg(2, 16));
+    h.add(1, Seq(100, 12));
+    auto s1 = h.sched();
+    ASSERT_TRUE(s1);
+    h.upd(*s1, {20, -1, -1}, {}, {1, 2});
+    auto s2 = h.sched();  // exact: S = 12, three positions
+    ASSERT_TRUE(s2);
+    EXPECT_EQ(s2->nsched[0], 3);
+    EXPECT_FALSE(h.sched()) << "S = 15 one step ahead: a K+1 row would pass the limit";
+    h.upd(*s2, {21, -1, -1}, {1}, {3, 4});  // 14 tokens
+    auto s3 = h.sched();
+    ASSERT_TRUE(s3);
+    EXPECT_EQ(s3->nsched[0], 3);
+    EXPECT_EQ(s3->ctx[0], 16);
+    auto o3 = h.upd(*s3, {22, 23, 24}, {3}, {5, 6});
+    EXPECT_EQ(o3.tokens(1), (V{22, 23})) << "ends at max_model_len";
+    EXPECT_EQ(o3.why(1), "max_model_len");
+  }
+  {
+    // K = 3, limit 16: the exact row at the limit has three positions, and its tokens end it.
+    H h(UniformCfg(3, 16));
+    h.add(1, Seq(100, 12));
+    auto s1 = h.sched();
+    ASSERT_TRUE(s1);
+    h.upd(*s1, {20, -1, -1, -1}, {}, {1, 2, 3});
+    auto s2 = h.sched();
+    ASSERT_TRUE(s2);
+    EXPECT_EQ(s2->nsched[0], 4);
+    h.upd(*s2, {21, -1, -1, -1}, {1}, {4, 5, 6});  // 14 tokens, S = 13
+    auto s3 = h.sched();
+    ASSERT_TRUE(s3);
+    EXPECT_EQ(s3->nsched[0], 3) << "short only at the limit";
+    auto o3 = h.upd(*s3, {22, 23, 24, -1}, {3}, {7, 8, 9});
+    EXPECT_EQ(o3.tokens(1), (V{22, 23}));
+    EXPECT_EQ(o3.why(1), "max_model_len");
+  }
+}
+
 }  // namespace
 }  // namespace atom_sched

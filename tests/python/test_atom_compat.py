@@ -128,12 +128,13 @@ def test_engine_loop_equals_the_native_api(k, deferred):
 
 @pytest.mark.parametrize("deferred", [False, True])
 def test_a_request_ending_with_its_first_token(deferred):
-    """Deferred: the core has nothing to run while the prefill's output is in the runner; a
-    flush batch brings it back (an EngineCore skips the forward of an empty batch)."""
+    """Deferred: the core has nothing to run while the prefill's output is in the runner; ATOM's
+    dummy batch brings it back (an EngineCore skips the forward of an empty batch)."""
     reqs = [(1, list(range(30, 39)), AtomSamplingParams(max_tokens=1, temperature=0.0))]
     sched, seqs, runner, res, _ = run_compat(0, deferred, reqs, config())
     assert seqs[0].leave_reason == "max_tokens" and len(seqs[0].completion_token_ids) == 1
     assert runner.forwards == (2 if deferred else 1)
+    assert runner.dummies == (1 if deferred else 0)
 
 
 def test_scheduled_batch_has_atoms_names_dtypes_and_live_block_tables():
@@ -239,7 +240,7 @@ def test_stats_classes_count_as_atoms():
 @pytest.mark.parametrize("k", [0, 2])
 def test_random_streams_in_production_mode(seed, k):
     """Deferred outputs (ATOM's production mode), other streams and pool sizes: preemptions at
-    other moments, flush batches, re-prefills of preempted requests."""
+    other moments, dummy batches, re-prefills of preempted requests."""
     reqs = stream(seed=100 + seed, n=20)
     cfg = config(k, num_kvcache_blocks=22 + 3 * seed, max_num_seqs=4 + seed % 3)
     sched, seqs, runner, res, model = run_compat(k, True, reqs, cfg)
@@ -435,6 +436,117 @@ def test_preemption_sends_a_sequence_back_to_waiting_without_blocks():
     assert seen_waiting and sched._core.stats()["num_preemptions"] > 0
     for rid, seq in seqs.items():
         assert seq.completion_token_ids == [model.token(rid, g) for g in range(30)]
+
+
+LIMIT_MODES = [(2, True), (3, True), (3, False)]  # K=1 reaches the limit exactly
+
+
+@pytest.mark.parametrize("k,deferred", LIMIT_MODES,
+                         ids=[f"{'deferred' if d else 'sync'}-K{k}" for k, d in LIMIT_MODES])
+def test_decode_rows_at_max_model_len_are_k_plus_1_wide(k, deferred):
+    """ATOM's runner verifies every decode row as K+1 tokens. At the position limit the core
+    schedules fewer (no position past max_model_len); the layer pads that row with placeholders
+    whose KV goes to the null block, and drops what is accepted past the limit. Every request
+    ends at max_model_len with the true tokens (the runner checks each KV position it reads)."""
+    reqs = [(rid, list(range(50 * rid, 50 * rid + 9 + rid)),
+             AtomSamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0))
+            for rid in (1, 2, 3, 4)]
+    cfg = config(k, max_model_len=31, num_kvcache_blocks=40)
+    sched, seqs, runner, _, model = run_compat(k, deferred, [], cfg)
+    model = model_for(k, reqs)
+    runner = FakeRunner(model, k, {rid: p for rid, p, _ in reqs}, BS, deferred,
+                        ScheduledBatchOutput)
+    padded = []
+    forward = runner.forward
+
+    def forward_and_look(batch):
+        if not batch.is_dummy_run and batch.total_seqs_num_decode:
+            # A padded row reaches past the limit (ATOM's context counts every input).
+            padded.extend(rid for rid, c in zip(batch.req_ids, batch.context_lens.tolist(),
+                                                strict=True) if c > 31)
+        return forward(batch)
+
+    runner.forward = forward_and_look
+    seqs = [Sequence(p, BS, sp, id=rid) for rid, p, sp in reqs]
+    sched.extend(seqs)
+    engine_loop(sched, runner)
+    assert padded, "no row reached the limit with fewer than K+1 positions"
+    for seq in seqs:
+        assert seq.leave_reason == "max_model_len" and seq.num_tokens == 31
+        assert seq.completion_token_ids == [model.token(seq.id, g)
+                                            for g in range(31 - seq.num_prompt_tokens)]
+    sched._core.check_invariants()
+
+
+PREEMPT_MODES = [(0, False), (2, False), (0, True), (3, True)]
+
+
+@pytest.mark.parametrize("k,deferred", PREEMPT_MODES,
+                         ids=[f"{'deferred' if d else 'sync'}-K{k}" for k, d in PREEMPT_MODES])
+def test_preempt_a_sequence_the_engine_chose_while_its_batch_is_in_flight(k, deferred):
+    """Spec 3.7 through ATOM's ``preempt(seq)``: between a forward and its postprocess the engine
+    preempts a running sequence; it is WAITING without blocks, keeps its tokens, resumes first,
+    and ends with the output it would have had (the runner checks every KV position read)."""
+    reqs = stream(seed=10 + k)
+    cfg = config(k, num_kvcache_blocks=80)  # room for all: every preemption is the engine's
+    sched, seqs, runner, _, model = run_compat(k, deferred, [], cfg)
+    seqs = [Sequence(p, BS, sp, stop_sequences(model, rid), id=rid) for rid, p, sp in reqs]
+    model = model_for(k, reqs)
+    runner = FakeRunner(model, k, {rid: p for rid, p, _ in reqs}, BS, deferred,
+                        ScheduledBatchOutput)
+    sched.extend(seqs)
+    expected = {s.id: expected_output(model, s.id, req_info(
+        s.token_ids[: s.num_prompt_tokens], core_params(s, s.stop_token_sequences)),
+        sched.config) for s in seqs}
+    preempted = []
+
+    def preempt_one(step, batch):
+        running = [s for s in seqs if s.status == SequenceStatus.RUNNING]
+        if step % 3 or not running:
+            return
+        victim = running[step % len(running)]
+        sched.preempt(victim)
+        assert victim.status == SequenceStatus.WAITING and victim.block_table == []
+        assert victim.num_cached_tokens == 0 and victim.num_rejected == 0
+        tokens = expected[victim.id][0]
+        assert victim.completion_token_ids == tokens[: len(victim.completion_token_ids)]
+        assert sched._core.waiting_ids()[0] == victim.id, "a preempted sequence resumes first"
+        sched._core.check_invariants()
+        preempted.append(victim.id)
+
+    res = engine_loop(sched, runner, on_forward=preempt_one)
+    assert len(preempted) >= 3
+    if deferred:  # a victim alone in flight: nothing runs until a dummy forward brings its token
+        assert runner.dummies > 0
+    assert sched._core.stats()["num_preemptions"] == len(preempted), "no pressure preemption"
+    for seq in seqs:
+        tokens, reason = expected[seq.id]
+        assert seq.completion_token_ids == tokens and seq.leave_reason == reason, seq.id
+        assert sum((o.output_tokens for o in res["streamed"][seq.id]), []) == tokens
+    assert sched.is_finished()
+    sched._core.check_invariants()
+
+
+def test_preempt_refuses_a_sequence_that_is_not_running_and_changes_nothing():
+    sched = Scheduler(config())
+    queued = Sequence(list(range(40, 50)), BS, AtomSamplingParams(max_tokens=3), id=1)
+    stranger = Sequence(list(range(40, 50)), BS, AtomSamplingParams(max_tokens=3), id=2)
+    sched.add(queued)
+    with pytest.raises(ValueError, match="sequence 1 is not running"):
+        sched.preempt(queued)  # waiting
+    with pytest.raises(ValueError, match="sequence 2 is not queued"):
+        sched.preempt(stranger)
+    batch, _ = sched.schedule()
+    assert batch.req_ids == [1] and queued.status == SequenceStatus.RUNNING
+    twin = Sequence(list(range(40, 50)), BS, AtomSamplingParams(max_tokens=3), id=1)
+    with pytest.raises(ValueError, match="sequence 1 is not queued"):
+        sched.preempt(twin)  # another object with a live id
+    with pytest.raises(ValueError, match="is not queued"):
+        sched.preempt(object())
+    assert queued.status == SequenceStatus.RUNNING and len(queued.block_table) == 3
+    assert sched.get_request_counts() == (1, 0)
+    assert sched._core.stats()["num_preemptions"] == 0
+    sched._core.check_invariants()
 
 
 def test_hostile_runner_outputs_are_refused_and_change_nothing():

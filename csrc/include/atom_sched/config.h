@@ -51,6 +51,12 @@ struct SchedulerConfig {
   // follow-up turn that resends the conversation hits them (vLLM's behaviour). false: only
   // prompt blocks are cached, as ATOM.
   bool cache_decode_blocks = true;
+  // Every decode row verifies K+1 tokens, for runners whose verification is one [rows, K+1]
+  // block (ATOM's ModelRunner): a known row whose drafter proposed fewer than K drafts still
+  // verifies K+1 (missing drafts read -1), and a row one step ahead is scheduled only once K+1
+  // fit under the position limit (else it waits for its outputs). Only a row at the limit is
+  // shorter, and accepting its tokens ends the request. false: rows verify only real drafts.
+  bool uniform_decode_rows = false;
 
   /// Throws InvalidArgument naming the first invalid field.
   void validate() const;

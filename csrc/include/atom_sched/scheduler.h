@@ -116,6 +116,13 @@ class Scheduler {
   /// Ends a live request now and frees its KV. UnknownRequest if `id` is not live.
   void abort_request(int64_t id);
 
+  /// Preempts a running request now, as the scheduler does under KV pressure (recompute): its KV
+  /// is freed, it keeps its tokens and goes back to the head of waiting; a batch in flight that
+  /// holds it still delivers its tokens. UnknownRequest if `id` is not live, InvalidArgument if it
+  /// is not running (waiting, or waiting for remote KV). For engines that choose a victim
+  /// themselves (ATOM's `Scheduler.preempt(seq)`).
+  void preempt_request(int64_t id);
+
   /// Chooses the next batch. Returns nullptr (and changes nothing but the delay clock) when there
   /// is nothing to run. `allow_prefill = false` is a data-parallel veto: only decode rows run.
   /// InvalidArgument if kMaxOutstandingBatches batches are already outstanding. The batch stays

@@ -143,6 +143,7 @@ class FakeRunner:
         self.prev: tuple[list[int], list[tuple]] | None = None
         self.gpu: dict[int, tuple[int, list[int], int]] = {}  # rid -> (last, drafts, rejected)
         self.forwards = 0
+        self.dummies = 0  # dummy batches run (ATOM's dummy_execution)
         self.rows_checked = 0
 
     def truth(self, rid: int, p: int) -> int:
@@ -155,6 +156,26 @@ class FakeRunner:
 
     def forward(self, batch: Any) -> Any:
         self.forwards += 1
+        results = self._dummy(batch) if batch.is_dummy_run else self._run(batch)
+        out = self._outputs(list(batch.req_ids), results)
+        if not self.deferred:
+            return out
+        prev_out, self.prev = self.prev, (list(batch.req_ids), results)
+        if prev_out is None:
+            return self.output_type([], [], None, None, None, is_deferred_out=True)
+        return self._outputs(*prev_out)
+
+    def _dummy(self, batch: Any) -> list[tuple]:
+        """ATOM's dummy_execution row: K+1 zero tokens at positions 0..K of its block table (the
+        null block: a live row reading it fails ``check_context``), nothing checked."""
+        assert batch.req_ids == [-1] and batch.scheduled_tokens.tolist() == [0] * (self.k + 1)
+        assert set(batch.block_tables[0]) == {0}, "a dummy row writes into the null block"
+        for p in range(self.k + 1):
+            self.kv[self.slot(batch.block_tables[0], p)] = 0
+        self.dummies += 1
+        return [((0,), self.k, [0] * self.k)]
+
+    def _run(self, batch: Any) -> list[tuple]:
         prefill = batch.total_seqs_num_prefill > 0
         prev_ids = set(self.prev[0]) if self.prev is not None else set()
         st = batch.scheduled_tokens
@@ -186,13 +207,7 @@ class FakeRunner:
             # The first token it emits sits after its last prompt input (prefill) or after its
             # first input, the last real token (decode).
             results.append(self.sample(rid, start + (q if prefill else 1), 1 if prefill else q))
-        out = self._outputs(list(batch.req_ids), results)
-        if not self.deferred:
-            return out
-        prev_out, self.prev = self.prev, (list(batch.req_ids), results)
-        if prev_out is None:
-            return self.output_type([], [], None, None, None, is_deferred_out=True)
-        return self._outputs(*prev_out)
+        return results
 
     def check_context(self, rid: int, bt: list[int], start: int) -> None:
         """Every position before the row's inputs holds the request's true token."""
@@ -229,12 +244,15 @@ class FakeRunner:
             if self.k else None, is_deferred_out=self.deferred)
 
 
-def engine_loop(sched: Any, runner: FakeRunner, max_steps: int = 20_000) -> dict[str, Any]:
+def engine_loop(sched: Any, runner: FakeRunner, max_steps: int = 20_000,
+                on_forward: Any = None) -> dict[str, Any]:
     """ATOM's EngineCore step until the scheduler is finished: schedule, take the rejected,
-    forward a non-empty batch, postprocess. Returns what the engine saw."""
+    forward a non-empty batch, postprocess. Returns what the engine saw. ``on_forward(step,
+    batch)`` runs between a forward and its postprocess (an engine acting while it is in
+    flight)."""
     stream: queue.Queue = queue.Queue()
     finished, rejected, streamed = [], [], {}
-    for _ in range(max_steps):
+    for step in range(max_steps):
         if sched.is_finished():
             break
         result = sched.schedule()
@@ -245,6 +263,8 @@ def engine_loop(sched: Any, runner: FakeRunner, max_steps: int = 20_000) -> dict
         if not batch.req_ids:
             continue
         out = runner.forward(batch)
+        if on_forward is not None:
+            on_forward(step, batch)
         finished += sched.postprocess(seqs.values(), out, stream_output_queue=stream)
         while not stream.empty():
             for sid, ro in stream.get_nowait():
