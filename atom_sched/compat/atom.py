@@ -24,14 +24,12 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from functools import partial
-from itertools import chain, repeat
 from operator import itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._core import ConnectorRequest, KVConnector, RemoteMatch, SchedulerConfig
+from .._core import ConnectorRequest, KVConnector, RemoteMatch, SchedulerConfig, _token_rows
 from .._core import SamplingParams as CoreParams
 from .._core import Scheduler as CoreScheduler
 
@@ -153,8 +151,6 @@ class RequestOutput(NamedTuple):
     num_cached_tokens: int = 0
 
 
-_new_output = partial(tuple.__new__, RequestOutput)
-
 
 class ScheduledBatchOutput:
     """ATOM's runner-to-scheduler contract (spec 1.5): per request of ``req_ids`` (the batch the
@@ -261,6 +257,18 @@ class _Forwarded:
     req_ids: list[int]
 
 
+@dataclass
+class _RowLayout:
+    """What a batch copies per row from the request in each row's slot (set at admission)."""
+
+    slots: np.ndarray
+    req_ids: list[int]
+    return_logprobs: list[bool]
+    block_tables: list[list[int]]  # the sequences' own block_table lists
+    external_request_ids: list[Any]
+    seqs: list[Any]
+
+
 def _scheduled_batch(req_ids: list[int], nsched: np.ndarray, ctx: np.ndarray,
                      is_prefill: np.ndarray, block_size: int, num_spec_step: int,
                      **rows: Any) -> ScheduledBatch:
@@ -286,11 +294,33 @@ def _last_block_tokens(ctx: np.ndarray, block_size: int) -> np.ndarray:
     return ctx - (-(-ctx // block_size) - 1) * block_size
 
 
+def _int32_array(values: Any, what: str) -> np.ndarray:
+    """``values`` as an int32 array, refusing (ValueError) what numpy would wrap or truncate:
+    non-integers, and integers outside int32."""
+    a = np.asarray(values)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"postprocess: {what} must be integers, got dtype {a.dtype}")
+    if a.dtype != np.int32 and a.size:
+        lo, hi = int(a.min()), int(a.max())
+        info = np.iinfo(np.int32)
+        if lo < info.min or hi > info.max:
+            raise ValueError(f"postprocess: {what} holds {lo if lo < info.min else hi}, not an "
+                             "int32")
+    return a.astype(np.int32, copy=False)
+
+
 def _gather(items: list[Any], index: list[int]) -> list[Any]:
     """``[items[i] for i in index]``, gathered in C."""
     if len(index) > 1:
         return list(itemgetter(*index)(items))
     return [items[i] for i in index]
+
+
+def _write_tokens(seq: Any, tokens: list[int]) -> None:
+    """A Sequence's token lists and count from its whole sequence (prompt and outputs)."""
+    seq.token_ids[:] = tokens
+    seq.output_tokens[:] = tokens[seq.num_prompt_tokens:]
+    seq.num_tokens = len(tokens)
 
 
 def _enum_member(current: Any, name: str) -> Any:
@@ -339,13 +369,9 @@ class _AtomConnector(KVConnector):
 
     def request_finished(self, request: ConnectorRequest) -> bool:
         seq = self._seq(request)
-        tokens = list(request.token_ids)  # every token, the last step's included
-        seq.token_ids[:] = tokens
-        seq.output_tokens[:] = tokens[seq.num_prompt_tokens:]
-        seq.num_tokens = len(tokens)
+        _write_tokens(seq, list(request.token_ids))  # every token, the last step's included
         if self.compat.mtp_k:  # the drafts proposed with the last token (ATOM's connector
             seq.spec_token_ids = np.asarray(request.draft_token_ids, np.int32)  # sends them)
-        self.compat._synced.add(seq.id)  # what the step still delivers is in these already
         self.atom.request_finished(seq)
         # ATOM's producer keeps every finished request's blocks until the send completes.
         return self.is_producer()
@@ -412,9 +438,11 @@ class Scheduler:
         self._slot_owner = np.full(self.max_num_seqs, -1, np.int64)  # the reverse (-1: free)
         self._slot_table: list[list[int]] = [[] for _ in range(self.max_num_seqs)]
         self._slot_ext: list[Any] = [None] * self.max_num_seqs
-        self._pending: dict[int, list[int]] = {}  # tokens not yet written into the Sequence
+        self._layout: _RowLayout | None = None  # the last batch's (see _row_layout)
+        # Preempted sequences: tokens of a batch in flight may land in the core after their
+        # lists were written, so they are written again at readmission.
+        self._stale: set[int] = set()
         self._awaiting_first: set[int] = set()  # admitted, first token not out yet
-        self._synced: set[int] = set()  # finished: tokens written by the connector callback
         self._t0_known: set[int] = set()  # remote prefills whose T0 is counted, not streamed
         self.spec_stats = SpecStats(self.mtp_k) if self.use_spec and self.mtp_k else None
         self.cache_stats = CacheStats() if prefix else None
@@ -525,21 +553,20 @@ class Scheduler:
         if inexact.any():
             ctx[inexact] = self._atom_context(self._slot_ntokens[slots[inexact]],
                                               prev_prefill[inexact])
-        slot_list = slots.tolist()
-        req_ids = b.req_ids.tolist()
+        rows = self._row_layout(b, slots)
         st = b.scheduled_tokens
         eos = np.int32(self.eos_token_id)
         batch = _scheduled_batch(
-            req_ids, b.num_scheduled_tokens.copy(), ctx, is_prefill, self.block_size,
-            0 if b.is_prefill else self.mtp_k,
+            list(rows.req_ids), b.num_scheduled_tokens.copy(), ctx, is_prefill,
+            self.block_size, 0 if b.is_prefill else self.mtp_k,
             temperatures=b.temperatures.copy(), top_ks=b.top_ks.copy(), top_ps=b.top_ps.copy(),
-            return_logprobs=self._slot_logprobs[slots].tolist(),
+            return_logprobs=list(rows.return_logprobs),
             needs_independent_noise=self._slot_noise[slots],
             num_cached_tokens=b.num_cached_tokens.tolist(),
             # The EOS id where only the device knows the token, as ATOM's placeholders.
             scheduled_tokens=np.where(st < 0, eos, st).astype(np.int32),
-            block_tables=_gather(self._slot_table, slot_list),
-            external_request_ids=_gather(self._slot_ext, slot_list))
+            block_tables=list(rows.block_tables),
+            external_request_ids=list(rows.external_request_ids))
         if not b.is_prefill and self.mtp_k > 0:
             # The drafts of the rows whose inputs the host knows (the device holds the others'),
             # missing ones as placeholders.
@@ -547,7 +574,21 @@ class Scheduler:
             batch.scheduled_spec_decode_tokens = np.where(drafts < 0, eos, drafts)
             if (batch.num_scheduled_tokens <= self.mtp_k).any():
                 self._pad_short_rows(b, batch)
-        return batch, _BatchSequences(req_ids, _gather(self._slot_seq, slot_list))
+        return batch, _BatchSequences(batch.req_ids, rows.seqs)
+
+    def _row_layout(self, b: Any, slots: np.ndarray) -> _RowLayout:
+        """The batch's per-slot lists in row order: the last step's while the rows are the
+        same slots in the same order and nobody was admitted (a steady decode step)."""
+        last = self._layout
+        if (last is not None and len(last.slots) == len(slots) and not b.slot_reset.any()
+                and np.array_equal(last.slots, slots)):
+            return last
+        slot_list = slots.tolist()
+        self._layout = _RowLayout(
+            slots.copy(), b.req_ids.tolist(), self._slot_logprobs[slots].tolist(),
+            _gather(self._slot_table, slot_list), _gather(self._slot_ext, slot_list),
+            _gather(self._slot_seq, slot_list))
+        return self._layout
 
     def _pad_short_rows(self, b: Any, batch: ScheduledBatch) -> None:
         """ATOM's runner verifies K+1 tokens per decode row. The core schedules fewer only for a
@@ -620,7 +661,9 @@ class Scheduler:
                 seq.num_cached_tokens = int(b.num_cached_tokens[i])
 
     def _admit(self, seq: Any, slot: int) -> None:
-        self._sync_tokens(seq)
+        if seq.id in self._stale:
+            self._stale.discard(seq.id)
+            self._write_core_tokens(seq)
         seq.status = _enum_member(seq.status, "RUNNING")
         seq.block_table.clear()
         self._running.add(seq.id)
@@ -630,7 +673,6 @@ class Scheduler:
         self._slot_table[slot] = seq.block_table
         self._slot_ext[slot] = getattr(seq, "external_request_id", None)
         self._slot_ntokens[slot] = seq.num_tokens
-        self._pending.setdefault(seq.id, [])
         if not getattr(seq, "first_token_time", 0):
             self._awaiting_first.add(seq.id)
         self._slot_logprobs[slot] = bool(getattr(seq, "return_logprobs", False))
@@ -656,7 +698,8 @@ class Scheduler:
         written in, the speculative state of its last output cleared."""
         self._running.discard(seq.id)
         self._release_slot(seq.id)
-        self._sync_tokens(seq)
+        self._write_core_tokens(seq)
+        self._stale.add(seq.id)
         seq.status = _enum_member(seq.status, "WAITING")
         seq.block_table.clear()
         seq.num_cached_tokens = 0
@@ -711,97 +754,90 @@ class Scheduler:
     def _update_args(self, b: Any, out: ScheduledBatchOutput) -> tuple[Any, ...]:
         """``update()``'s arrays from ATOM's outputs (checked: ValueError names what is wrong)."""
         n, k = b.num_rows, self.mtp_k
-        rows = out.token_ids
-        if len(rows) != n:
-            raise ValueError(f"postprocess: {len(rows)} token rows for {n} requests")
-        lens = np.fromiter(map(len, rows), np.int32, n)
+        try:
+            num_rows = len(out.token_ids)
+        except TypeError:
+            raise ValueError("postprocess: token_ids must be a list of token rows, got "
+                             f"{type(out.token_ids).__name__}") from None
+        if num_rows != n:
+            raise ValueError(f"postprocess: {num_rows} token rows for {n} requests")
+        try:
+            sampled, lens = _token_rows(out.token_ids, k + 1)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"postprocess: token ids must be int32 integers ({e})") from None
         limit = np.where(b.row_is_prefill, 1, k + 1)  # the runner's width (see _pad_short_rows)
         bad = np.flatnonzero((lens < 1) | (lens > limit))
         if bad.size:
             i = int(bad[0])
             raise ValueError(f"postprocess: request {out.req_ids[i]} got {lens[i]} tokens")
-        try:
-            if k == 0:  # one token each
-                return (np.fromiter(chain.from_iterable(rows), np.int32, n),)
-            sampled = np.zeros((n, k + 1), np.int32)
-            for i, toks in enumerate(rows):
-                sampled[i, :len(toks)] = toks
-            drafts = out.draft_token_ids
-            if drafts is None or len(drafts) == 0:
-                drafts = np.full((n, k), -1, np.int32)
-            drafts = np.asarray(drafts, dtype=np.int32)
-        except (OverflowError, TypeError, ValueError) as e:
-            raise ValueError(f"postprocess: token ids must be int32 integers ({e})") from None
+        if k == 0:  # one token each
+            return (sampled.reshape(n),)
+        drafts = out.draft_token_ids
+        if drafts is None or len(drafts) == 0:
+            drafts = np.full((n, k), -1, np.int32)
+        drafts = _int32_array(drafts, "draft_token_ids")
         if drafts.shape != (n, k):
             raise ValueError(f"postprocess: draft_token_ids of shape {drafts.shape}, the batch "
                              f"needs ({n}, {k})")
         # A padded row accepts at most its real tokens (the rest lie past the position limit).
-        return sampled, (None if b.is_prefill else np.minimum(lens, b.num_scheduled_tokens)), drafts
+        accepted = None if b.is_prefill else np.minimum(lens, b.num_scheduled_tokens)
+        return sampled, accepted, drafts
 
     def _deliver(self, out: Any, b: Any, fwd_output: ScheduledBatchOutput,
                  stream: Any) -> list[Any]:
-        """Stream a step's outputs, finish the sequences that ended, return them.
-
-        A running sequence's tokens are kept here (``_pending``) and written into its
-        ``token_ids``/``output_tokens``/``num_tokens`` when it finishes or is preempted (ATOM's
-        own lists hold placeholders while it runs, so an engine reads them at the finish); the
-        stream carries every token as it comes."""
-        n = len(out)
-        if n == 0:
+        """Stream a step's outputs (one list of ``(id, RequestOutput)``, built in C), finish the
+        sequences that ended, return them. A running sequence's token lists are left as they
+        are (ATOM's hold placeholders while it runs): they are written at its finish, from the
+        whole sequence the core gives, or at a preemption."""
+        if len(out) == 0:
             return []
-        ids_arr = out.request_ids
-        ids, toks = ids_arr.tolist(), out.new_tokens.tolist()
-        cached = out.num_cached_tokens.tolist()
-        counts = np.diff(out.token_offsets)
-        self._count_tokens(b, ids_arr, counts)
-        pending = self._pending
-        if len(toks) == n:  # one token each (every decode step without drafts): no slicing
-            new_of = [[t] for t in toks]
-        else:
-            offs = out.token_offsets.tolist()
-            new_of = [toks[offs[i]:offs[i + 1]] for i in range(n)]
-        deque(map(list.extend, map(pending.__getitem__, ids), new_of), maxlen=0)
+        ids = out.request_ids
+        self._count_tokens(b, ids, np.diff(out.token_offsets))
         if self._awaiting_first:
-            now = time.time()
-            for i in (i for i, sid in enumerate(ids) if sid in self._awaiting_first):
-                self._first_output(ids[i], cached[i], now)
-        finished, reasons, finished_by_id = [], {}, {}
-        for i in np.flatnonzero(out.finished).tolist():
-            reasons[i] = out.finish_reason(i)
-            finished.append(self._finish(ids[i], reasons[i], time.time()))
-            finished_by_id[ids[i]] = finished[-1]
+            now, cached = time.time(), out.num_cached_tokens
+            for i in (i for i, sid in enumerate(ids.tolist()) if sid in self._awaiting_first):
+                self._first_output(int(ids[i]), int(cached[i]), now)
+        finished = [self._finish(int(ids[i]), out.finish_reason(i), out.final_token_ids(i))
+                    for i in np.flatnonzero(out.finished).tolist()]
         if self.mtp_k:
             self._keep_spec_state(b, fwd_output)
             if self.spec_stats is not None and not b.is_prefill:
                 self.spec_stats.update_counts(np.fromiter(map(len, fwd_output.token_ids),
                                                           np.int32, b.num_rows))
         if stream is not None:
-            outs = list(map(_new_output, zip(ids, new_of, repeat(False), repeat(None),
-                                             repeat(None), cached)))
-            for i, reason in reasons.items():
-                outs[i] = RequestOutput(ids[i], new_of[i], True, reason,
-                                        getattr(finished_by_id[ids[i]], "kv_transfer_params_output",
-                                                None), cached[i])
-            items = list(zip(ids, outs, strict=True))
-            if len(toks) < n:  # entries without a token (a finish only) are not streamed
-                items = [item for item in items if item[1].output_tokens]
+            items = out._atom_stream_items(RequestOutput)
+            if finished:
+                self._add_transfer_params(items, finished)
             if items:
                 stream.put_nowait(items)
         return finished
+
+    @staticmethod
+    def _add_transfer_params(items: list[tuple[int, RequestOutput]], finished: list[Any]) -> None:
+        """A producer's connector leaves ``kv_transfer_params_output`` in the finished Sequence:
+        its last RequestOutput carries it, as ATOM's."""
+        params = {seq.id: p for seq in finished
+                  if (p := getattr(seq, "kv_transfer_params_output", None)) is not None}
+        if params:
+            for j, (sid, ro) in enumerate(items):
+                if sid in params:
+                    items[j] = (sid, ro._replace(kv_transfer_params_output=params[sid]))
 
     def _count_tokens(self, b: Any, ids: np.ndarray, counts: np.ndarray) -> None:
         """Add each request's new tokens to its slot's known count (a preempted request's
         in-flight token can still come: its slot is not its own then, and its count is taken
         at re-admission)."""
         if len(ids) == b.num_rows and np.array_equal(ids, b.req_ids):
-            slots = b.request_slots.astype(np.int64)  # one entry per row, in row order
+            slots = b.request_slots  # one entry per row, in row order
         else:
             slot_of = self._slot_of
             slots = np.fromiter((slot_of.get(sid, -1) for sid in ids.tolist()), np.int64,
                                 len(ids))
-        own = slots >= 0
-        own[own] = self._slot_owner[slots[own]] == ids[own]
-        self._slot_ntokens[slots[own]] += counts[own]
+        own = (self._slot_owner[slots] == ids) & (slots >= 0)  # (slot -1 reads another's)
+        if own.all():
+            self._slot_ntokens[slots] += counts
+        else:
+            self._slot_ntokens[slots[own]] += counts[own]
         if self._t0_known:  # their first output streams T0, counted at admission already
             for i in (i for i, sid in enumerate(ids.tolist()) if sid in self._t0_known):
                 self._t0_known.discard(int(ids[i]))
@@ -830,27 +866,18 @@ class Scheduler:
             if drafts is not None and len(drafts):
                 seq.spec_token_ids = np.asarray(drafts[i], dtype=np.int32)
 
-    def _sync_tokens(self, seq: Any) -> None:
-        """Write the tokens kept for ``seq`` into its lists and count."""
-        new = self._pending.get(seq.id)
-        if seq.id in self._synced:  # the connector's request_finished wrote them all
-            self._synced.discard(seq.id)
-            if new:
-                new.clear()
-            return
-        if new:
-            seq.token_ids[seq.num_tokens:] = new
-            seq.output_tokens.extend(new)
-            seq.num_tokens += len(new)
-            new.clear()
+    def _write_core_tokens(self, seq: Any) -> None:
+        """Write the core's tokens of a live request into its Sequence (a preemption, a
+        readmission: rare)."""
+        _write_tokens(seq, self._core.request_state(seq.id)["token_ids"])
 
-    def _finish(self, sid: int, reason: str, now: float) -> Any:
+    def _finish(self, sid: int, reason: str, tokens: list[int]) -> Any:
         seq = self._seqs.pop(sid)
-        self._sync_tokens(seq)
-        self._pending.pop(sid, None)
+        _write_tokens(seq, tokens)
+        self._stale.discard(sid)
         seq.status = _enum_member(seq.status, "FINISHED")
         seq.leave_reason = reason
-        seq.leave_time = now
+        seq.leave_time = time.time()
         self._running.discard(sid)
         self._release_slot(sid)
         return seq

@@ -11,6 +11,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -20,6 +21,7 @@
 #include "atom_sched/errors.h"
 #include "atom_sched/scheduler.h"
 #include "bindings.h"
+#include "compat_atom.h"
 #include "convert.h"
 #include "scheduler_handle.h"
 
@@ -416,6 +418,31 @@ void bind_scheduler(py::module_& m) {
             return py::str(finish_reason_string(so.finish_reasons[i], so.stop_tokens[i]));
           },
           "i"_a, "Entry i's finish reason (as RequestOutput.finish_reason), or None.")
+      .def(
+          "final_token_ids",
+          [](const StepOutputView& v, int32_t i) {
+            const StepOutput& so = v.get();
+            if (i < 0 || i >= so.size())
+              throw py::index_error("final_token_ids(" + std::to_string(i) + "): the step has " +
+                                    std::to_string(so.size()) + " entries");
+            const auto& e = so.finished_entries;
+            const auto at = std::lower_bound(e.begin(), e.end(), i);
+            if (at == e.end() || *at != i)
+              throw py::value_error("final_token_ids(" + std::to_string(i) + "): entry " +
+                                    std::to_string(i) + " did not finish this step");
+            const size_t j = static_cast<size_t>(at - e.begin());
+            return std::vector<int32_t>(so.finished_tokens.begin() + so.finished_offsets[j],
+                                        so.finished_tokens.begin() + so.finished_offsets[j + 1]);
+          },
+          "i"_a,
+          "Entry i's whole token sequence (prompt and outputs), if it finished this step "
+          "(ValueError otherwise): the scheduler forgets a request once it finishes.")
+      .def(
+          "_atom_stream_items",
+          [](const StepOutputView& v, py::handle output_type) {
+            return atom_stream_items(v.get(), output_type);
+          },
+          "output_type"_a, "compat.atom: ATOM's stream items of this step (compat_atom.h).")
       .def("outputs",
            [](const StepOutputView& v) {
              const StepOutput& so = v.get();

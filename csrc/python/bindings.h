@@ -7,6 +7,7 @@ namespace atom_sched {
 void bind_config(pybind11::module_& m);
 void bind_scheduler(pybind11::module_& m);
 void bind_device(pybind11::module_& m);
+void bind_compat(pybind11::module_& m);
 // Last: makes every bound type refuse objects made by __new__ without __init__ (init_guard.cc).
 void guard_uninitialised_instances(pybind11::module_& m);
 }  // namespace atom_sched

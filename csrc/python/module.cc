@@ -79,5 +79,6 @@ PYBIND11_MODULE(_core, m) {
   atom_sched::bind_config(m);
   atom_sched::bind_scheduler(m);
   atom_sched::bind_device(m);
+  atom_sched::bind_compat(m);
   atom_sched::guard_uninitialised_instances(m);
 }

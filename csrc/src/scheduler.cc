@@ -80,6 +80,8 @@ Scheduler::Scheduler(SchedulerConfig config)
   step_output_.prefix_hit_tokens.reserve(rows);
   step_output_.new_logprobs.reserve(rows * (k_ + 2));
   step_output_.wants_logprobs.reserve(rows);
+  step_output_.finished_entries.reserve(rows);
+  step_output_.finished_offsets.reserve(rows + 1);
   stats_.acceptance_counts.assign(k_ + 1, 0);
   // Popped from the back: the first admission gets device slot 0.
   for (int32_t s = config_.max_num_seqs - 1; s >= 0; --s) free_device_slots_.push_back(s);

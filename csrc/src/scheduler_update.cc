@@ -186,7 +186,12 @@ void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs
   so.stop_tokens[e] = stop_token;
   so.prefix_hit_tokens[e] = r.prefix_hit_tokens;
   so.wants_logprobs[e] = r.wants_logprobs;
-  if (reason != FinishReason::kNone) finish(slot, reason, stop_token);
+  if (reason != FinishReason::kNone) {
+    so.finished_entries.push_back(e);
+    so.finished_tokens.insert(so.finished_tokens.end(), r.tokens.begin(), r.tokens.end());
+    so.finished_offsets.push_back(static_cast<int32_t>(so.finished_tokens.size()));
+    finish(slot, reason, stop_token);
+  }
 }
 
 const StepOutput& Scheduler::update(uint64_t batch_id, const ModelOutputs& out) {
@@ -215,6 +220,9 @@ const StepOutput& Scheduler::update(uint64_t batch_id, const ModelOutputs& out) 
   so.stop_tokens.resize(rows);
   so.prefix_hit_tokens.resize(rows);
   so.wants_logprobs.resize(rows);
+  so.finished_entries.clear();
+  so.finished_offsets.resize(1);
+  so.finished_tokens.clear();
   so_entries_ = 0;
   so_tokens_ = 0;
   const int32_t width =

@@ -173,6 +173,8 @@ class H {
  public:
   explicit H(SchedulerConfig c) : s(std::move(c)) { Inv("constructor"); }
 
+  const StepOutput* last_out = nullptr;  // the last update()'s, valid until the next one
+
   void add(int64_t id, const V& prompt, const SamplingParams& p = P()) {
     s.add_request(id, prompt, p);
     Inv("add_request");
@@ -209,6 +211,7 @@ class H {
     o.draft_token_ids = drafts;
     o.logprobs = logprobs;
     const StepOutput& out = s.update(b.id, o);
+    last_out = &out;
     Inv("update");
     return Convert(out);
   }
@@ -248,11 +251,27 @@ class H {
           }
         }
       } else {
+        // Its whole sequence is in the output, ending with this step's tokens.
+        const auto& fe = out.finished_entries;
+        const auto at = std::find(fe.begin(), fe.end(), i);
+        EXPECT_NE(at, fe.end()) << "finished request " << id << " has no final tokens";
+        if (at != fe.end() && out.finished_offsets.size() == fe.size() + 1) {
+          const size_t j = static_cast<size_t>(at - fe.begin());
+          const V all(out.finished_tokens.begin() + out.finished_offsets[j],
+                      out.finished_tokens.begin() + out.finished_offsets[j + 1]);
+          EXPECT_GE(all.size(), o.tokens.size());
+          if (all.size() >= o.tokens.size()) {
+            EXPECT_TRUE(std::equal(o.tokens.begin(), o.tokens.end(), all.end() - o.tokens.size()))
+                << "final tokens of " << id << " do not end with its new tokens";
+          }
+        }
         // Gone, or finished with its KV kept for a transfer (the id stays in use until then).
         EXPECT_TRUE(!s.contains(id) || s.request(id).status == RequestStatus::kFinished)
             << "finished request " << id << " still live";
       }
     }
+    EXPECT_EQ(out.finished_entries.size() + 1, out.finished_offsets.size());
+    EXPECT_TRUE(std::is_sorted(out.finished_entries.begin(), out.finished_entries.end()));
     return r;
   }
 

@@ -453,6 +453,13 @@ TEST(SchedulerTest, Stats) {
   ASSERT_TRUE(s3);
   auto o3 = h.upd(*s3, {11, 31});
   EXPECT_EQ(o3.why(1), "max_tokens");
+  ASSERT_NE(h.last_out, nullptr);
+  const StepOutput& so = *h.last_out;
+  ASSERT_EQ(so.finished_entries.size(), 1u);
+  const int32_t e = so.finished_entries[0];
+  EXPECT_EQ(so.req_ids[static_cast<size_t>(e)], 1);
+  EXPECT_EQ(V(so.finished_tokens.begin(), so.finished_tokens.end()),
+            Cat(Seq(100, 9), V{10, 11})) << "the whole sequence of the finished request";
   EXPECT_EQ(st.num_steps, 3);
   EXPECT_EQ(st.num_finished, 1);
   h.s.abort_request(3);

@@ -6,6 +6,7 @@ the same stream, and every row's KV context is checked where the runner reads it
 
 from __future__ import annotations
 
+import pickle
 import queue
 
 import numpy as np
@@ -24,9 +25,15 @@ from support.atom_standins import (
 from support.fake_model import EOS
 from support.oracle import req_info
 
-from atom_sched import SamplingParams
+from atom_sched import SamplingParams, SchedulerConfig
 from atom_sched import Scheduler as NativeScheduler
-from atom_sched.compat.atom import CacheStats, ScheduledBatchOutput, Scheduler, SpecStats
+from atom_sched.compat.atom import (
+    CacheStats,
+    RequestOutput,
+    ScheduledBatchOutput,
+    Scheduler,
+    SpecStats,
+)
 
 BS = 4
 
@@ -549,6 +556,33 @@ def test_preempt_refuses_a_sequence_that_is_not_running_and_changes_nothing():
     sched._core.check_invariants()
 
 
+def test_streamed_outputs_are_atoms_request_outputs_and_pickle():
+    """The stream's RequestOutputs are built in C for a whole step: real instances of the
+    NamedTuple, equal to ones built in Python, picklable for the engine's output socket."""
+    sched, seqs, runner, res, _ = run_compat(0, True, stream(seed=3, n=5), config())
+    outs = [o for v in res["streamed"].values() for o in v]
+    assert outs and all(type(o) is RequestOutput for o in outs)
+    assert pickle.loads(pickle.dumps(outs)) == outs
+    last = res["streamed"][seqs[0].id][-1]
+    assert last == RequestOutput(*last) and last.finished and last.finish_reason
+    assert last.output_tokens == [seqs[0].completion_token_ids[-1]]
+
+
+def test_stream_items_refuse_a_type_they_cannot_fill():
+    core = NativeScheduler(SchedulerConfig(num_blocks=8, block_size=4))
+    core.add_request(1, [1, 2, 3])
+    out = core.update(core.schedule(), np.array([5], np.int32))
+
+    class WithDict(tuple):
+        pass
+
+    for bad in (int, WithDict, list, "RequestOutput"):
+        with pytest.raises(TypeError):
+            out._atom_stream_items(bad)
+    assert out._atom_stream_items(RequestOutput) == [
+        (1, RequestOutput(1, [5], False, None, None, 0))]
+
+
 def test_hostile_runner_outputs_are_refused_and_change_nothing():
     """Outputs a broken runner could send (K=2): drafts of the wrong shape, negative or huge
     tokens, a token row wider than the row; each is a ValueError, and the right outputs still
@@ -560,9 +594,12 @@ def test_hostile_runner_outputs_are_refused_and_change_nothing():
     def out(tokens, drafts):
         return ScheduledBatchOutput([1], tokens, None, None, drafts)
 
-    bad = [out([(5,)], np.zeros((1, 3), np.int32)), out([(-5,)], np.zeros((1, 2), np.int32)),
-           out([(2**40,)], np.zeros((1, 2), np.int32)), out([(5, 6)], np.zeros((1, 2), np.int32)),
-           out([(5,)], np.full((1, 2), -7, np.int32)), out([()], np.zeros((1, 2), np.int32))]
+    ok = np.zeros((1, 2), np.int32)
+    bad = [out([(5,)], np.zeros((1, 3), np.int32)), out([(-5,)], ok), out([(2**40,)], ok),
+           out([(5, 6)], ok), out([(5,)], np.full((1, 2), -7, np.int32)), out([()], ok),
+           out([(5.0,)], ok), out([(None,)], ok), out([5], ok), out(["ab"], ok), out(None, ok),
+           out([(2**70,)], ok), out([(5,)], np.array([[2**32 + 5, 1]])),  # no wrap to 5
+           out([(5,)], np.array([[2.7, 1.0]])), out([(5,)], [[2**70, 1]])]
     for o in bad:
         with pytest.raises(ValueError):
             sched.postprocess(seqs.values(), o, None)

@@ -83,3 +83,23 @@ def test_step_output_flat_accessors_refuse_bad_indices():
     for bad in (-1, len(out)):
         with pytest.raises(IndexError, match="entries"):
             out.finish_reason(bad)
+
+
+def test_final_token_ids_give_a_finished_requests_whole_sequence():
+    s = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
+    s.add_request(1, [5, 6, 7], SamplingParams(max_tokens=2))
+    s.add_request(2, [8, 9], SamplingParams(max_tokens=9))
+    s.update(s.schedule(), np.array([10, 20], np.int32))
+    out = s.update(s.schedule(), np.array([11, 21], np.int32))
+    ids = out.request_ids.tolist()
+    done, running = ids.index(1), ids.index(2)
+    assert out.finish_reason(done) == "max_tokens"
+    assert out.final_token_ids(done) == [5, 6, 7, 10, 11]
+    with pytest.raises(ValueError, match="did not finish"):
+        out.final_token_ids(running)
+    for bad in (-1, len(out)):
+        with pytest.raises(IndexError, match="entries"):
+            out.final_token_ids(bad)
+    s.update(s.schedule(), np.array([22], np.int32))
+    with pytest.raises(RuntimeError, match="no longer valid"):
+        out.final_token_ids(done)

@@ -37,6 +37,13 @@ struct StepOutput {
   std::vector<int32_t> stop_tokens;          // the stop token id for kStopToken, else -1
   std::vector<int32_t> prefix_hit_tokens;    // prompt tokens served by the prefix cache
   std::vector<uint8_t> wants_logprobs;       // the request asked for log-probabilities
+  // The whole token sequence (prompt and outputs) of each entry that finished this step, in
+  // entry order: entry finished_entries[j]'s is finished_tokens[finished_offsets[j] ..
+  // finished_offsets[j+1]) (what an engine writes into its finished sequence; the scheduler
+  // forgets the request once it finishes).
+  std::vector<int32_t> finished_entries;
+  std::vector<int32_t> finished_offsets{0};
+  std::vector<int32_t> finished_tokens;
 
   [[nodiscard]] int32_t size() const noexcept { return static_cast<int32_t>(req_ids.size()); }
 };
