@@ -470,8 +470,11 @@ class Scheduler:
             logprobs=bool(getattr(seq, "return_logprobs", False)),
             stop_token_sequences=[list(s) for s in (seq.stop_token_sequences or [])])
         tokens = list(seq.token_ids[: seq.num_tokens])
+        # ATOM's clock is time.time() (the IO processor stamps arrive_time with it), for the
+        # delay factor's waiting times as for its latencies.
         arrive = float(getattr(seq, "arrive_time", 0.0) or 0.0)
-        self._core.add_request(sid, tokens, params, arrival_time=arrive if arrive > 0 else None)
+        self._core.add_request(sid, tokens, params,
+                               arrival_time=arrive if arrive > 0 else time.time())
         self._seqs[sid] = seq
 
     def extend(self, seqs: Iterable[Any]) -> None:
@@ -496,7 +499,8 @@ class Scheduler:
         core = self._core
         if not core.has_unfinished_requests() and not self._forwarded:
             return None
-        b = core.schedule(allow_prefill=allow) if core.num_outstanding_batches < 2 else None
+        b = (core.schedule(allow_prefill=allow, now=time.time())
+             if core.num_outstanding_batches < 2 else None)
         if b is None:
             self._sync_preemptions()
             self._retire_finished_batches()
@@ -539,8 +543,19 @@ class Scheduler:
         if b is not None:  # (a dummy batch's outputs are dropped)
             # Checked first, then applied: a refused output changes nothing.
             out = self._core.update(b, *self._update_args(b, fwd_output))
+            if b.is_prefill:  # (ATOM's batches are all prefill or all decode)
+                self._advance_prefills(b)
         self._forwarded.popleft()
         return [] if b is None else self._deliver(out, b, fwd_output, stream_output_queue)
+
+    def _advance_prefills(self, b: Any) -> None:
+        """ATOM's postprocess advances a sequence's ``num_cached_tokens`` by each prefill chunk
+        computed (its prefill progress)."""
+        rows = np.flatnonzero(b.row_is_prefill)
+        done = (b.num_cached_tokens[rows] + b.num_scheduled_tokens[rows]).tolist()
+        for sid, n in zip(b.req_ids[rows].tolist(), done, strict=True):
+            if sid in self._running:
+                self._seqs[sid].num_cached_tokens = n
 
     # ---- building the batch -------------------------------------------------------------------
     def _build(self, b: Any) -> tuple[ScheduledBatch, Mapping[int, Any]]:
@@ -902,7 +917,7 @@ class Scheduler:
             self._core.num_outstanding_batches)
 
     def get_next_batch_info(self) -> tuple[bool, int, int]:
-        return self._core.get_next_batch_info()
+        return self._core.get_next_batch_info(now=time.time())
 
     def preempt(self, seq: Any) -> None:
         """Preempt a running sequence now (ATOM's ``preempt``, recompute): its blocks are freed,

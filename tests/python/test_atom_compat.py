@@ -485,6 +485,41 @@ def test_decode_rows_at_max_model_len_are_k_plus_1_wide(k, deferred):
     sched._core.check_invariants()
 
 
+def test_delay_factor_holds_admission_back_on_atoms_clock(monkeypatch):
+    """Spec 5.4 through ATOM's names: with ``scheduler_delay_factor`` a waiting prompt is held
+    while it has waited no longer than factor x the last prompt's latency and something runs;
+    waiting times are on ATOM's clock, ``time.time()`` (``arrive_time``)."""
+    from atom_sched.compat import atom as compat
+
+    clock = [1.7e9]  # epoch seconds, as ATOM's IO processor stamps arrive_time
+    monkeypatch.setattr(compat.time, "time", lambda: clock[0])
+    prompts = {1: list(range(100, 104)), 2: list(range(200, 204)), 3: list(range(300, 304))}
+    sched = Scheduler(config(scheduler_delay_factor=0.5))
+    runner = FakeRunner(FakeModel(0), 0, prompts, BS, False, ScheduledBatchOutput)
+
+    def step():
+        batch, seqs = sched.schedule()
+        sched.postprocess(seqs.values(), runner.forward(batch), None)
+        return batch.total_seqs_num_prefill > 0, batch.req_ids
+
+    first = Sequence(prompts[1], BS, AtomSamplingParams(max_tokens=10), id=1)
+    first.arrive_time = clock[0]
+    sched.add(first)
+    assert step() == (True, [1])  # nothing runs: no delay
+    clock[0] += 0.6
+    late = Sequence(prompts[2], BS, AtomSamplingParams(max_tokens=3), id=2)
+    late.arrive_time = clock[0]
+    sched.add(late)
+    clock[0] += 0.4  # the last prompt's latency is 1.0 s; request 2 waited 0.4 s <= 0.5 s
+    assert step() == (False, [1])
+    clock[0] += 0.2  # waited 0.6 s > 0.5 x 0.2 s (the latency since the last prefill)
+    assert step() == (True, [2])
+    sched.add(Sequence(prompts[3], BS, AtomSamplingParams(max_tokens=3), id=3))  # stamped now
+    assert step() == (False, [1, 2])  # waited 0 s
+    clock[0] += 5.0
+    assert step() == (True, [3])
+
+
 PREEMPT_MODES = [(0, False), (2, False), (0, True), (3, True)]
 
 

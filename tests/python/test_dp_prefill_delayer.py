@@ -94,3 +94,15 @@ def test_veto_never_decodes_a_partial_prefill():
     assert vetoed_again == ("delayed", False, [1])
     # Its KV progress is exactly the one real chunk: vetoed steps did not advance it.
     assert rank0["partial"] == (12, 40)
+
+
+def test_atoms_scheduler_asks_the_delayer_every_step_and_keeps_the_partial_prefill():
+    """The same through ``atom_sched.compat.atom``: ATOM's ``set_prefill_delayer`` and the
+    readiness ATOM's scheduler reports; the vetoed steps decode request 1 only (as DECODE), and
+    the partial prefill stays at its one chunk."""
+    rank0, rank1 = run(2, "compat_veto_keeps_partial_prefills")
+    first, vetoed, vetoed_again = rank0["log"]
+    assert first == ("first", True, [1, 2], ["PREFILL", "PREFILL"])
+    assert vetoed == vetoed_again == ("delayed", False, [1], ["DECODE"])
+    assert [d for d, *_ in rank1["log"]] == ["first", "delayed", "delayed"]
+    assert rank0["partial"] == 12  # the sequence's prefill progress: the one real chunk

@@ -61,6 +61,36 @@ def veto_keeps_partial_prefills(rank):
             (state["num_computed_tokens"], state["prefill_target"])}
 
 
+def compat_veto_keeps_partial_prefills(rank):
+    """veto_keeps_partial_prefills through ATOM's names (compat.atom): the delayer attached with
+    set_prefill_delayer and asked by schedule(), as ATOM's EngineCore runs it."""
+    from atom_sched.compat.atom import ScheduledBatchOutput, Scheduler
+    from atom_sched.dp import PrefillDelayer
+    from support.atom_standins import AtomSamplingParams, Config, Sequence
+
+    sched = Scheduler(Config(num_kvcache_blocks=65, kv_cache_block_size=4, max_num_seqs=8,
+                             max_num_batched_tokens=16))
+    delayer = PrefillDelayer()
+    sched.set_prefill_delayer(delayer)
+    prompts = {1: [11, 12, 13, 14]}
+    if rank == 0:
+        prompts |= {2: list(range(20, 60)), 3: list(range(60, 68))}
+    seqs = {rid: Sequence(p, 4, AtomSamplingParams(max_tokens=50), id=rid)
+            for rid, p in prompts.items()}
+    sched.extend(seqs.values())
+    log = []
+    for _ in range(3):
+        batch, _ = sched.schedule()
+        sched._core.check_invariants()
+        log.append((delayer.last_decision, batch.total_seqs_num_prefill > 0, batch.req_ids,
+                    [seqs[rid].type.name for rid in batch.req_ids]))
+        if batch.req_ids:
+            n = len(batch.req_ids)
+            sched.postprocess([], ScheduledBatchOutput(batch.req_ids, [(7,)] * n, None, None,
+                                                        None), None)
+    return {"log": log, "partial": None if rank else seqs[2].num_cached_tokens}
+
+
 def run_rank(rank, world, store, scenario, args, results):
     import torch.distributed as dist
 
