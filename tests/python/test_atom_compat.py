@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import pickle
 import queue
+import time
+from types import SimpleNamespace
 
+import msgpack
 import numpy as np
 import pytest
 from support import Driver, FakeModel, expected_output
@@ -589,6 +592,47 @@ def test_preempt_refuses_a_sequence_that_is_not_running_and_changes_nothing():
     assert sched.get_request_counts() == (1, 0)
     assert sched._core.stats()["num_preemptions"] == 0
     sched._core.check_invariants()
+
+
+def test_kv_events_through_atoms_config_and_calls():
+    """Spec 5.5's publish_kv_events()/shutdown_kv_events() with ATOM's kv_events_config: the
+    engine publishes after each step; ATOM's wildcard endpoints bind loopback; a router replaying
+    the numbered batches ends with the scheduler's cached set."""
+    from test_kv_events import free_port_run, replay_dealer
+
+    port = free_port_run(2)
+    events = SimpleNamespace(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}",
+                             replay_endpoint=f"tcp://*:{port + 1}", topic="kv")
+    sched = Scheduler(config(kv_events_config=events))
+    assert sched._publisher.endpoint == f"tcp://127.0.0.1:{port}"
+    reqs = stream(seed=5, n=10)
+    model = model_for(0, reqs)
+    runner = FakeRunner(model, 0, {rid: p for rid, p, _ in reqs}, BS, False,
+                        ScheduledBatchOutput)
+    sched.extend(Sequence(p, BS, sp, id=rid) for rid, p, sp in reqs)
+    while not sched.is_finished():
+        batch, seqs = sched.schedule()
+        if batch.req_ids:
+            sched.postprocess(seqs.values(), runner.forward(batch), None)
+        sched.publish_kv_events()
+    try:
+        deadline = time.time() + 5
+        stats = sched._publisher.stats
+        while stats()["sent"] < stats()["next_seq"] and time.time() < deadline:
+            time.sleep(0.01)
+        batches = replay_dealer(f"tcp://127.0.0.1:{port + 1}", 0)
+    finally:
+        sched.shutdown_kv_events()
+    sched.shutdown_kv_events()  # twice: ATOM swallows shutdown errors
+    index: set[int] = set()
+    for _, payload in batches:
+        for e in msgpack.unpackb(payload)[1]:
+            kind, hashes = e["type"], e.get("block_hashes", [])
+            if kind == "BlockStored":
+                index |= set(hashes)
+            elif kind == "BlockRemoved":
+                index -= set(hashes)
+    assert index and index == set(sched._core.cached_block_hashes())
 
 
 def test_streamed_outputs_are_atoms_request_outputs_and_pickle():
