@@ -442,6 +442,8 @@ class Scheduler:
         # Preempted sequences: tokens of a batch in flight may land in the core after their
         # lists were written, so they are written again at readmission.
         self._stale: set[int] = set()
+        # Sequences that asked for logprobs: one per output token so far (Sequence.logprobs).
+        self._logprobs: dict[int, list[float]] = {}
         self._awaiting_first: set[int] = set()  # admitted, first token not out yet
         self._t0_known: set[int] = set()  # remote prefills whose T0 is counted, not streamed
         self.spec_stats = SpecStats(self.mtp_k) if self.use_spec and self.mtp_k else None
@@ -476,6 +478,8 @@ class Scheduler:
         self._core.add_request(sid, tokens, params,
                                arrival_time=arrive if arrive > 0 else time.time())
         self._seqs[sid] = seq
+        if getattr(seq, "return_logprobs", False):
+            self._logprobs[sid] = []
 
     def extend(self, seqs: Iterable[Any]) -> None:
         for seq in seqs:
@@ -486,6 +490,7 @@ class Scheduler:
         out = []
         for r in self._core.take_rejected():
             seq = self._seqs.pop(r.request_id)
+            self._logprobs.pop(r.request_id, None)
             seq.status = _enum_member(seq.status, "FINISHED")
             seq.leave_reason = r.reason
             out.append(seq)
@@ -785,8 +790,10 @@ class Scheduler:
         if bad.size:
             i = int(bad[0])
             raise ValueError(f"postprocess: request {out.req_ids[i]} got {lens[i]} tokens")
+        logprobs = self._logprob_rows(out, lens) if self._logprobs and out.logprobs else None
         if k == 0:  # one token each
-            return (sampled.reshape(n),)
+            return sampled.reshape(n), None, None, (None if logprobs is None else
+                                                     logprobs.reshape(n))
         drafts = out.draft_token_ids
         if drafts is None or len(drafts) == 0:
             drafts = np.full((n, k), -1, np.int32)
@@ -796,7 +803,18 @@ class Scheduler:
                              f"needs ({n}, {k})")
         # A padded row accepts at most its real tokens (the rest lie past the position limit).
         accepted = None if b.is_prefill else np.minimum(lens, b.num_scheduled_tokens)
-        return sampled, accepted, drafts
+        return sampled, accepted, drafts, logprobs
+
+    def _logprob_rows(self, out: ScheduledBatchOutput, lens: np.ndarray) -> np.ndarray:
+        """ATOM's runner gives one logprob per sequence per step (``{id: float}``), its last
+        token's: as ``update()``'s logprobs (the shape of the sampled tokens), NaN elsewhere. The
+        core drops it with its token if a stop cuts the row."""
+        lp = np.full((len(lens), self.mtp_k + 1), np.nan, np.float32)
+        for sid, value in out.logprobs.items():
+            i = out.get_idx(sid)
+            if i is not None and sid in self._logprobs:
+                lp[i, lens[i] - 1] = value
+        return lp
 
     def _deliver(self, out: Any, b: Any, fwd_output: ScheduledBatchOutput,
                  stream: Any) -> list[Any]:
@@ -806,8 +824,10 @@ class Scheduler:
         whole sequence the core gives, or at a preemption."""
         if len(out) == 0:
             return []
-        ids = out.request_ids
-        self._count_tokens(b, ids, np.diff(out.token_offsets))
+        ids, counts = out.request_ids, np.diff(out.token_offsets)
+        self._count_tokens(b, ids, counts)
+        if self._logprobs and fwd_output.logprobs:
+            self._keep_logprobs(ids, out)
         if self._awaiting_first:
             now, cached = time.time(), out.num_cached_tokens
             for i in (i for i, sid in enumerate(ids.tolist()) if sid in self._awaiting_first):
@@ -826,6 +846,16 @@ class Scheduler:
             if items:
                 stream.put_nowait(items)
         return finished
+
+    def _keep_logprobs(self, ids: np.ndarray, out: Any) -> None:
+        """``Sequence.logprobs``, one per output token (the runner's value on each step's last
+        token, NaN on its other tokens: accepted drafts, a remote first token; ATOM's are
+        misaligned with MTP, 8.13)."""
+        values, offs = out.new_logprobs.tolist(), out.token_offsets.tolist()
+        for i, sid in enumerate(ids.tolist()):
+            kept = self._logprobs.get(sid)
+            if kept is not None:
+                kept += values[offs[i]:offs[i + 1]]
 
     @staticmethod
     def _add_transfer_params(items: list[tuple[int, RequestOutput]], finished: list[Any]) -> None:
@@ -889,6 +919,8 @@ class Scheduler:
     def _finish(self, sid: int, reason: str, tokens: list[int]) -> Any:
         seq = self._seqs.pop(sid)
         _write_tokens(seq, tokens)
+        if sid in self._logprobs:
+            seq.logprobs = self._logprobs.pop(sid)
         self._stale.discard(sid)
         seq.status = _enum_member(seq.status, "FINISHED")
         seq.leave_reason = reason

@@ -392,6 +392,15 @@ void bind_scheduler(py::module_& m) {
             return readonly_view(self, so.new_tokens.data(),
                                  {static_cast<py::ssize_t>(so.new_tokens.size())});
           })
+      .def_property_readonly(
+          "new_logprobs",
+          [](py::object self) {
+            const StepOutput& so = self.cast<const StepOutputView&>().get();
+            return readonly_view(self, so.new_logprobs.data(),
+                                 {static_cast<py::ssize_t>(so.new_logprobs.size())});
+          },
+          "Aligned with new_tokens when update() got logprobs (NaN for a token the runner "
+          "gave none for), else empty.")
       .def_property_readonly("finished",
                              [](const StepOutputView& v) {
                                const StepOutput& so = v.get();

@@ -6,6 +6,7 @@ the same stream, and every row's KV context is checked where the runner reads it
 
 from __future__ import annotations
 
+import math
 import pickle
 import queue
 import time
@@ -633,6 +634,51 @@ def test_kv_events_through_atoms_config_and_calls():
             elif kind == "BlockRemoved":
                 index -= set(hashes)
     assert index and index == set(sched._core.cached_block_hashes())
+
+
+@pytest.mark.parametrize("k,deferred", [(0, False), (2, True)])
+def test_logprobs_land_in_the_sequence_one_per_output_token(k, deferred):
+    """ATOM's runner returns one logprob per sequence per step (``{id: float}``, its last
+    token's); a sequence that asked for them (``return_logprobs``) has, at its finish, one per
+    output token: the step's value on its last token, NaN on the step's other tokens (accepted
+    drafts), and NaN throughout a step a stop cut short (its last token was dropped)."""
+    reqs = stream(seed=8, n=6)
+    model = model_for(k, reqs)
+    sched = Scheduler(config(k, num_kvcache_blocks=200, max_num_batched_tokens=256))  # every
+    # row emits (no chunks, no preemption): one runner row per streamed step
+    runner = FakeRunner(model, k, {rid: p for rid, p, _ in reqs}, BS, deferred,
+                        ScheduledBatchOutput)
+    forward = runner.forward
+    rows: dict[int, list[tuple]] = {}  # what the runner returned for each sequence, in order
+
+    def with_logprobs(batch):
+        out = forward(batch)
+        out.logprobs = {rid: -float(toks[-1]) for rid, toks in zip(out.req_ids, out.token_ids,
+                                                                  strict=True)}
+        for rid, toks in zip(out.req_ids, out.token_ids, strict=True):
+            rows.setdefault(rid, []).append(tuple(toks))
+        return out
+
+    runner.forward = with_logprobs
+    seqs = []
+    for rid, p, sp in reqs:
+        sp.logprobs = rid % 2 == 1
+        seqs.append(Sequence(p, BS, sp, id=rid))
+    sched.extend(seqs)
+    res = engine_loop(sched, runner)
+    for seq in seqs:
+        if not seq.return_logprobs:
+            assert seq.logprobs == []
+            continue
+        assert len(seq.logprobs) == len(seq.completion_token_ids) > 0
+        want = []
+        # One runner row per streamed step (a deferred runner may run one more, dropped).
+        for o, toks in zip(res["streamed"][seq.id], rows[seq.id], strict=False):
+            kept = o.output_tokens
+            whole = tuple(kept) == toks
+            want += [math.nan] * (len(kept) - whole) + [-float(toks[-1])] * whole
+        assert np.array_equal(seq.logprobs, want, equal_nan=True)
+        assert any(not math.isnan(x) for x in seq.logprobs)
 
 
 def test_streamed_outputs_are_atoms_request_outputs_and_pickle():
