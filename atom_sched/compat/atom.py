@@ -63,16 +63,19 @@ class SpecStats:
 
     def update_counts(self, accepted: np.ndarray) -> None:
         """``update(a)`` for every ``a`` of ``accepted`` (one decode step's rows), at once."""
-        values, counts = np.unique(accepted, return_counts=True)
-        if values.size and not (1 <= values[0] and values[-1] <= self.mtp_k + 1):
-            raise KeyError(int(values[0] if values[0] < 1 else values[-1]))
-        for a, c in zip(values.tolist(), counts.tolist(), strict=True):
-            self.distribution[a - 1] += c
-            self._interval_distribution[a - 1] += c
+        if accepted.size == 0:
+            return
+        lo, hi = int(accepted.min()), int(accepted.max())
+        if lo < 1 or hi > self.mtp_k + 1:
+            raise KeyError(lo if lo < 1 else hi)
+        counts = np.bincount(accepted - 1, minlength=self.mtp_k + 1).tolist()
+        for i, c in enumerate(counts):
+            self.distribution[i] += c
+            self._interval_distribution[i] += c
         step = self.log_interval * self.mtp_k
         before = self.total_draft_tokens
-        self.total_draft_tokens += self.mtp_k * int(counts.sum())
-        self._interval_draft_tokens += self.mtp_k * int(counts.sum())
+        self.total_draft_tokens += self.mtp_k * accepted.size
+        self._interval_draft_tokens += self.mtp_k * accepted.size
         if step and before // step != self.total_draft_tokens // step:
             self._log()
             self._reset_interval()
@@ -105,8 +108,9 @@ class SpecStats:
         self._interval_distribution = dict.fromkeys(range(self.mtp_k + 1), 0)
 
     def _log(self) -> None:
-        logger.info("[MTP Stats] %d draft tokens, %d accepted, acceptance rate %.3f",
-                    self.total_draft_tokens, self.total_accepted, self.acceptance_rate)
+        if logger.isEnabledFor(logging.INFO):  # (about once a step at 1,000 running)
+            logger.info("[MTP Stats] %d draft tokens, %d accepted, acceptance rate %.3f",
+                        self.total_draft_tokens, self.total_accepted, self.acceptance_rate)
 
 
 class CacheStats:
@@ -439,6 +443,10 @@ class Scheduler:
         self._slot_table: list[list[int]] = [[] for _ in range(self.max_num_seqs)]
         self._slot_ext: list[Any] = [None] * self.max_num_seqs
         self._layout: _RowLayout | None = None  # the last batch's (see _row_layout)
+        # ATOM's per-sequence speculative state of each slot's last output (_keep_spec_state).
+        self._slot_bonus = np.zeros(self.max_num_seqs, np.int32)
+        self._slot_rejected = np.zeros(self.max_num_seqs, np.int32)
+        self._slot_drafts = np.full((self.max_num_seqs, self.mtp_k), -1, np.int32)
         # Preempted sequences: tokens of a batch in flight may land in the core after their
         # lists were written, so they are written again at readmission.
         self._stale: set[int] = set()
@@ -547,11 +555,16 @@ class Scheduler:
         b = fwd.core
         if b is not None:  # (a dummy batch's outputs are dropped)
             # Checked first, then applied: a refused output changes nothing.
-            out = self._core.update(b, *self._update_args(b, fwd_output))
+            args, lens = self._update_args(b, fwd_output)
+            out = self._core.update(b, *args)
             if b.is_prefill:  # (ATOM's batches are all prefill or all decode)
                 self._advance_prefills(b)
         self._forwarded.popleft()
-        return [] if b is None else self._deliver(out, b, fwd_output, stream_output_queue)
+        if b is None:
+            return []
+        if self.mtp_k:
+            self._keep_spec_state(b, lens, args[2])
+        return self._deliver(out, b, fwd_output, stream_output_queue)
 
     def _advance_prefills(self, b: Any) -> None:
         """ATOM's postprocess advances a sequence's ``num_cached_tokens`` by each prefill chunk
@@ -697,6 +710,9 @@ class Scheduler:
             self._awaiting_first.add(seq.id)
         self._slot_logprobs[slot] = bool(getattr(seq, "return_logprobs", False))
         self._slot_noise[slot] = bool(getattr(seq, "needs_independent_noise", False))
+        if self.mtp_k:
+            self._slot_bonus[slot] = self._slot_rejected[slot] = 0
+            self._slot_drafts[slot] = -1
 
     def _release_slot(self, sid: int) -> None:
         slot = self._slot_of.pop(sid, None)
@@ -771,8 +787,10 @@ class Scheduler:
             fwd.core = None
 
     # ---- outputs ------------------------------------------------------------------------------
-    def _update_args(self, b: Any, out: ScheduledBatchOutput) -> tuple[Any, ...]:
-        """``update()``'s arrays from ATOM's outputs (checked: ValueError names what is wrong)."""
+    def _update_args(self, b: Any,
+                     out: ScheduledBatchOutput) -> tuple[tuple[Any, ...], np.ndarray]:
+        """``update()``'s arrays from ATOM's outputs (checked: ValueError names what is wrong),
+        and each row's count of tokens the runner accepted."""
         n, k = b.num_rows, self.mtp_k
         try:
             num_rows = len(out.token_ids)
@@ -792,8 +810,8 @@ class Scheduler:
             raise ValueError(f"postprocess: request {out.req_ids[i]} got {lens[i]} tokens")
         logprobs = self._logprob_rows(out, lens) if self._logprobs and out.logprobs else None
         if k == 0:  # one token each
-            return sampled.reshape(n), None, None, (None if logprobs is None else
-                                                     logprobs.reshape(n))
+            return (sampled.reshape(n), None, None,
+                    None if logprobs is None else logprobs.reshape(n)), lens
         drafts = out.draft_token_ids
         if drafts is None or len(drafts) == 0:
             drafts = np.full((n, k), -1, np.int32)
@@ -803,7 +821,7 @@ class Scheduler:
                              f"needs ({n}, {k})")
         # A padded row accepts at most its real tokens (the rest lie past the position limit).
         accepted = None if b.is_prefill else np.minimum(lens, b.num_scheduled_tokens)
-        return sampled, accepted, drafts, logprobs
+        return (sampled, accepted, drafts, logprobs), lens
 
     def _logprob_rows(self, out: ScheduledBatchOutput, lens: np.ndarray) -> np.ndarray:
         """ATOM's runner gives one logprob per sequence per step (``{id: float}``), its last
@@ -834,11 +852,6 @@ class Scheduler:
                 self._first_output(int(ids[i]), int(cached[i]), now)
         finished = [self._finish(int(ids[i]), out.finish_reason(i), out.final_token_ids(i))
                     for i in np.flatnonzero(out.finished).tolist()]
-        if self.mtp_k:
-            self._keep_spec_state(b, fwd_output)
-            if self.spec_stats is not None and not b.is_prefill:
-                self.spec_stats.update_counts(np.fromiter(map(len, fwd_output.token_ids),
-                                                          np.int32, b.num_rows))
         if stream is not None:
             items = out._atom_stream_items(RequestOutput)
             if finished:
@@ -897,19 +910,26 @@ class Scheduler:
         if self.cache_stats is not None:
             self.cache_stats.update(cached, seq.num_prompt_tokens)
 
-    def _keep_spec_state(self, b: Any, fwd_output: ScheduledBatchOutput) -> None:
+    def _keep_spec_state(self, b: Any, accepted: np.ndarray, drafts: np.ndarray) -> None:
         """ATOM's per-sequence view of the last output (``num_bonus_tokens``, ``num_rejected``,
-        ``spec_token_ids``), for the rows that emitted."""
-        k, drafts = self.mtp_k, fwd_output.draft_token_ids
-        for i in np.flatnonzero(b.emits_token).tolist():
-            seq = self._seqs.get(int(b.req_ids[i]))
-            if seq is None:
-                continue  # finished this step
-            a = len(fwd_output.token_ids[i])
-            seq.num_bonus_tokens = a - 1
-            seq.num_rejected = 0 if b.row_is_prefill[i] else k + 1 - a
-            if drafts is not None and len(drafts):
-                seq.spec_token_ids = np.asarray(drafts[i], dtype=np.int32)
+        ``spec_token_ids``), kept per device slot for the rows that emitted and written into
+        the Sequence at its finish (as its tokens: ATOM's own readers, its scheduler and
+        connector, read them there; a per-row write each step would cost more than the
+        core's step); ``spec_stats`` counts the decode rows' acceptances."""
+        if self.spec_stats is not None and not b.is_prefill:
+            self.spec_stats.update_counts(accepted)
+        slots, prefill = b.request_slots, b.row_is_prefill
+        own = (self._slot_owner[slots] == b.req_ids) & b.emits_token
+        if not own.all():
+            slots, prefill, accepted, drafts = slots[own], prefill[own], accepted[own], drafts[own]
+        self._slot_bonus[slots] = accepted - 1
+        self._slot_rejected[slots] = np.where(prefill, 0, self.mtp_k + 1 - accepted)
+        self._slot_drafts[slots] = drafts
+
+    def _write_spec_state(self, seq: Any, slot: int) -> None:
+        seq.num_bonus_tokens = int(self._slot_bonus[slot])
+        seq.num_rejected = int(self._slot_rejected[slot])
+        seq.spec_token_ids = self._slot_drafts[slot].copy()
 
     def _write_core_tokens(self, seq: Any) -> None:
         """Write the core's tokens of a live request into its Sequence (a preemption, a
@@ -919,6 +939,9 @@ class Scheduler:
     def _finish(self, sid: int, reason: str, tokens: list[int]) -> Any:
         seq = self._seqs.pop(sid)
         _write_tokens(seq, tokens)
+        slot = self._slot_of.get(sid)
+        if self.mtp_k and slot is not None and self._slot_owner[slot] == sid:
+            self._write_spec_state(seq, slot)
         if sid in self._logprobs:
             seq.logprobs = self._logprobs.pop(sid)
         self._stale.discard(sid)
