@@ -129,6 +129,11 @@ def test_engine_loop_equals_the_native_api(k, deferred):
         assert sum((o.output_tokens for o in outs), []) == tokens
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         assert outs[-1].finish_reason == reason
+        if k and not deferred:  # the last output's speculative state, as the runner left it
+            last, drafts, rejected = runner.gpu[seq.id]
+            assert seq.spec_token_ids.tolist() == drafts and seq.num_rejected == rejected
+            # (a decode output: K+1-r accepted, K-r bonus; a prefill output: 0 and 0)
+            assert seq.num_bonus_tokens in ({k - rejected} if rejected else {0, k})
     assert {s.leave_reason for s in seqs} >= {"max_tokens", "eos"}
     if k:
         assert sched.spec_stats.total_steps > 0 and 0 < sched.spec_stats.acceptance_rate <= 1
