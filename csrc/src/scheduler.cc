@@ -1,6 +1,7 @@
 #include "atom_sched/scheduler.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -36,6 +37,9 @@ Scheduler::Scheduler(SchedulerConfig config)
           int64_t{config_.num_blocks - 1} * config_.block_size,
           std::numeric_limits<int32_t>::max()))),
       position_limit_(std::min(config_.max_model_len, pool_positions_)),
+      block_shift_(std::has_single_bit(static_cast<uint32_t>(config_.block_size))
+                       ? std::countr_zero(static_cast<uint32_t>(config_.block_size))
+                       : -1),
       cache_decode_blocks_(config_.cache_decode_blocks && config_.enable_prefix_caching),
       pool_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching,
             config_.enable_kv_events, config_.num_state_slots) {
@@ -230,6 +234,7 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.top_p = params.top_p;
   r.seed = params.seed;
   r.max_tokens = params.max_tokens;
+  r.stop_length = final_length(r);
   r.min_tokens = params.min_tokens;
   r.ignore_eos = params.ignore_eos;
   r.arrival_time = arrival_time;
@@ -572,14 +577,14 @@ int32_t Scheduler::final_length(const Request& r) const {
       {max_tokens, config_.max_model_len, int64_t{pool_positions_} + 1}));
 }
 
-int32_t Scheduler::decode_row_tokens(const Request& r) const {
+[[gnu::always_inline]] inline int32_t Scheduler::decode_row_tokens(const Request& r) const {
   // A remote request whose injected first token already ends it: one row streams that token.
   // (num_unstreamed, a hot field, guards the read of the cold pending_stop.)
   if (r.num_unstreamed > 0 && r.pending_stop != FinishReason::kNone)
     return r.num_inflight > 0 ? 0 : 1;
   // Outputs in flight (each emits at least one token) that will end the request: a row now
   // would be discarded, and could preempt another request for nothing.
-  if (r.num_inflight > 0 && r.num_tokens() + r.num_inflight >= final_length(r)) return 0;
+  if (r.num_inflight > 0 && r.num_tokens() + r.num_inflight >= r.stop_length) return 0;
   // Every position < max_model_len (a model's rotary table has that many rows) and inside the
   // pool: drafts past the limit are not scheduled (as vLLM). S is an upper bound one step ahead,
   // so the device's exact positions are below the limit too.
@@ -609,7 +614,6 @@ bool Scheduler::preemption_can_free(int32_t slot, int32_t missing) {
 }
 
 int32_t Scheduler::schedule_decodes(Batch& b) {
-  const int32_t bs = config_.block_size;
   const int32_t first_row = b.num_rows;
   for (int32_t s = running_.head; s >= 0;) {
     if (b.num_rows >= config_.max_num_seqs) break;
@@ -626,7 +630,7 @@ int32_t Scheduler::schedule_decodes(Batch& b) {
     if (b.num_tokens + n > config_.max_num_batched_tokens) break;
     // Exact reservation for this row's positions S .. S+n-1 (ATOM over- or under-reserved,
     // 8.6/8.7).
-    const int32_t needed = ceil_div(r.num_computed_tokens + n, bs);
+    const int32_t needed = blocks_for(r.num_computed_tokens + n);
     const int32_t have = static_cast<int32_t>(r.block_table.size());
     if (have < needed && !pool_.grow(r.block_table, needed)) {
       // Blocks held where no preemption reaches (rows before it, requests waiting for a
@@ -801,7 +805,7 @@ void Scheduler::begin_batch(Batch& b) {
   b.num_scheduled_tokens[row] = num_tokens;
   b.num_cached_tokens[row] = start;
   b.context_lens[row] = end;
-  b.last_block_num_tokens[row] = end - ((end - 1) / bs) * bs;
+  b.last_block_num_tokens[row] = end - block_of(end - 1) * bs;
   b.cu_seqlens_q[row + 1] = b.cu_seqlens_q[row] + num_tokens;
   b.cu_seqlens_k[row + 1] = b.cu_seqlens_k[row] + end;
   b.max_seqlen_q = std::max(b.max_seqlen_q, num_tokens);
@@ -810,16 +814,21 @@ void Scheduler::begin_batch(Batch& b) {
   int64_t* positions = b.positions.data() + first;
   int64_t* slots = b.slot_mapping.data() + first;
   const int32_t* table = r.block_table.data();
-  int32_t block = start / bs;
+  int32_t block = block_of(start);
   int32_t offset = start - block * bs;
   const int32_t last = static_cast<int32_t>(r.block_table.size()) - 1;
   int64_t base = int64_t{block == last ? r.last_block : table[block]} * bs;
-  for (int32_t i = 0; i < num_tokens; ++i) {
-    positions[i] = start + i;
-    slots[i] = base + offset;
-    if (++offset == bs && i + 1 < num_tokens) {
-      offset = 0;
-      base = int64_t{table[++block]} * bs;
+  if (num_tokens == 1) {  // a decode row without drafts: no loop (its setup costs more)
+    positions[0] = start;
+    slots[0] = base + offset;
+  } else {
+    for (int32_t i = 0; i < num_tokens; ++i) {
+      positions[i] = start + i;
+      slots[i] = base + offset;
+      if (++offset == bs && i + 1 < num_tokens) {
+        offset = 0;
+        base = int64_t{table[++block]} * bs;
+      }
     }
   }
   fill_block_table_row(b, row, r, same_owner);
@@ -833,7 +842,7 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   Request& r = requests_[slot];
   const int32_t row = begin_row(b, r, slot, chunk);
   std::copy_n(r.tokens.begin() + r.num_computed_tokens, chunk,
-              b.scheduled_tokens.begin() + b.num_tokens);
+              b.scheduled_tokens.data() + b.num_tokens);
   b.num_tokens += chunk;
   r.num_computed_tokens += chunk;
   if (!r.is_partial_prefill()) untrack_partial(slot);  // its prompt is fully scheduled
@@ -841,7 +850,7 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   b.emits_token[row] = r.num_computed_tokens == r.prefill_target;
   b.row_exact[row] = 1;  // prompt tokens and positions are always known
   // A prefill row has no drafts: in a mixed batch its spec_draft_tokens read -1.
-  std::fill_n(b.spec_draft_tokens.begin() + static_cast<size_t>(row) * k_, k_, -1);
+  std::fill_n(b.spec_draft_tokens.data() + static_cast<size_t>(row) * k_, k_, -1);
   ++r.num_inflight;
 }
 

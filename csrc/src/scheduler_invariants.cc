@@ -59,6 +59,7 @@ void Scheduler::check_invariants() const {
     const std::string who = "request " + id_str(r.id) + ": ";
     check(r.num_inflight == inflight[s], who + "in-flight count disagrees with the batches");
     if (!r.in_use) continue;
+    check(r.stop_length == final_length(r), who + "cached length limit is stale");
     if (r.status == RequestStatus::kFinished) {
       const bool held = r.awaiting_send || r.awaiting_recv;
       check(held || r.block_table.empty(), who + "finished but holds blocks");

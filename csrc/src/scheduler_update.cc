@@ -35,6 +35,13 @@ void Scheduler::validate_outputs(const Batch& b, const ModelOutputs& out) const 
     throw InvalidArgument("draft_token_ids given but num_speculative_tokens is 0");
   if (!out.logprobs.empty() && out.logprobs.size() != n)
     throw InvalidArgument("logprobs must have the shape of sampled_token_ids");
+  if (k_ == 0 && out.num_accepted.empty()) {
+    // One token per row and nothing else to check (the common decode step): a tight loop.
+    const int32_t* sampled = out.sampled_token_ids.data();
+    bool bad = false;
+    for (size_t i = 0; i < rows; ++i) bad |= (sampled[i] < 0) & (b.emits_token[i] != 0);
+    if (!bad) return;
+  }
   for (size_t i = 0; i < rows; ++i) {
     // A decode row accepts at most its tokens: K+1, fewer where drafts were capped.
     const int32_t max_accepted = b.row_is_prefill[i] ? 1 : b.num_scheduled_tokens[i];
@@ -75,6 +82,7 @@ void Scheduler::publish_blocks(Request& r, int32_t end) {
 }
 
 FinishReason Scheduler::length_stop(const Request& r) const {
+  if (r.num_tokens() < r.stop_length) return FinishReason::kNone;  // final_length(): all three
   if (r.num_generated() >= r.max_tokens) return FinishReason::kMaxTokens;
   if (r.num_tokens() >= config_.max_model_len) return FinishReason::kMaxModelLen;  // (8.8)
   // Its KV fills every position of the pool: the next decode could never be scheduled, even
@@ -107,8 +115,9 @@ FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const
   return length_stop(r);
 }
 
-void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs& out,
-                                 int32_t width) {
+[[gnu::always_inline]] inline void Scheduler::apply_row_output(const Batch& b, int32_t row,
+                                                              const ModelOutputs& out,
+                                                              int32_t width) {
   const int32_t slot = b.request_index[row];
   Request& r = requests_[slot];
   --r.num_inflight;
@@ -155,9 +164,9 @@ void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs
   int32_t kept = 0;
   while (kept < accepted && reason == FinishReason::kNone) {
     r.tokens.push_back(sampled[kept++]);
+    r.last_token = r.tokens.back();
     reason = stop_reason(r, stop_token);
   }
-  r.last_token = r.tokens.back();
   // Decode-block caching: every position but the last token's now holds verified KV (the row's
   // input was the last token and the drafts now accepted); the blocks it fills are published
   // before a finish frees them, so a follow-up turn finds them.
@@ -171,7 +180,11 @@ void Scheduler::apply_row_output(const Batch& b, int32_t row, const ModelOutputs
   int32_t* tokens_out = so.new_tokens.data() + so_tokens_;
   const int32_t* known = r.tokens.data();
   const int32_t total = r.num_tokens();
-  for (int32_t i = stream_from; i < total; ++i) *tokens_out++ = known[i];
+  if (total - stream_from == 1) {  // one new token (a decode row without drafts): no loop
+    *tokens_out = known[stream_from];
+  } else {
+    for (int32_t i = stream_from; i < total; ++i) *tokens_out++ = known[i];
+  }
   if (!out.logprobs.empty()) {
     float* lp_out = so.new_logprobs.data() + so_tokens_;
     const float* lp = out.logprobs.data() + static_cast<size_t>(row) * width;

@@ -52,6 +52,7 @@ struct alignas(64) Request {
   int32_t blocks_shipped = 0;       // block-table entries already sent to the device slot
   int32_t blocks_published = 0;     // leading blocks the prefix cache knows (hits, published)
   int32_t max_tokens = 0;
+  int32_t stop_length = 0;         // a length rule ends it once it holds this many tokens
   int32_t min_tokens = 0;          // no EOS, stop token or sequence ends it before this many
   int32_t num_unstreamed = 0;      // trailing tokens known but not streamed yet (an injected T0)
   int32_t num_drafts = 0;          // leading entries of `drafts` the drafter proposed (<= K)

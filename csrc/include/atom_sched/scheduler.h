@@ -226,6 +226,13 @@ class Scheduler {
   /// Tokens of the request's next decode row: K+1, fewer where a position would reach
   /// position_limit_, 0 (no row) when none is left or its outputs in flight will end it.
   [[nodiscard]] int32_t decode_row_tokens(const Request& r) const;
+  /// The block holding position `pos` (>= 0), and the blocks `n` positions need.
+  [[nodiscard]] int32_t block_of(int32_t pos) const noexcept {
+    return block_shift_ >= 0 ? pos >> block_shift_ : pos / config_.block_size;
+  }
+  [[nodiscard]] int32_t blocks_for(int32_t n) const noexcept {
+    return block_of(n + config_.block_size - 1);
+  }
   /// The token count at which a length rule (max_tokens, max_model_len, kv_capacity) ends it.
   [[nodiscard]] int32_t final_length(const Request& r) const;
   /// The admission chunk rule of this configuration (policy.h).
@@ -274,6 +281,9 @@ class Scheduler {
   // end finishes kv_capacity.
   int32_t pool_positions_;
   int32_t position_limit_;
+  // log2(block_size) when it is a power of two (16..128 in practice), else -1: the step path
+  // divides positions by the block size with a shift (block_of()).
+  int32_t block_shift_;
   bool cache_decode_blocks_;  // config: decode-block caching, and prefix caching is on
   BlockPool pool_;
 
