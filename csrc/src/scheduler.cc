@@ -256,6 +256,9 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.block_table.reserve(table_width_);
   r.block_hashes.clear();
   r.block_hashes.reserve(table_width_);
+  // The prompt's block hashes now, as vLLM hashes a request when it is created: admission only
+  // looks them up, so a step that admits prompts makes its running requests wait for no hashing.
+  ensure_block_hashes(r, probe_blocks(r));
   r.drafts.assign(k_, -1);
   r.num_drafts = 0;
   r.stop_token_ids = config_.stop_token_ids;
@@ -752,15 +755,18 @@ namespace {
 // Positions and KV slots of a row's `n` tokens from `start`, the first at `offset` in the block
 // `*table` (its slot base `base`), block by block: the inner loops vectorise (a prompt chunk's
 // thousands of tokens). Out of line: a one-token decode row never calls it.
-[[gnu::noinline]] void fill_positions(int64_t* positions, int64_t* slots, int32_t start,
-                                      int32_t n, const int32_t* table, int32_t offset,
-                                      int64_t base, int32_t bs) {
+[[gnu::noinline]] void fill_positions(int64_t* __restrict positions, int64_t* __restrict slots,
+                                      int32_t start, int32_t n, const int32_t* table,
+                                      int32_t offset, int64_t base, int32_t bs) {
   for (int32_t i = 0;;) {
     const int32_t run = std::min(bs - offset, n - i);
+    const int64_t pos0 = int64_t{start} + i;
     const int64_t slot0 = base + offset;
+    int64_t* __restrict p = positions + i;
+    int64_t* __restrict q = slots + i;
     for (int32_t j = 0; j < run; ++j) {
-      positions[i + j] = start + i + j;
-      slots[i + j] = slot0 + j;
+      p[j] = pos0 + j;
+      q[j] = slot0 + j;
     }
     i += run;
     if (i == n) return;
