@@ -758,6 +758,13 @@ namespace {
 [[gnu::noinline]] void fill_positions(int64_t* __restrict positions, int64_t* __restrict slots,
                                       int32_t start, int32_t n, const int32_t* table,
                                       int32_t offset, int64_t base, int32_t bs) {
+  if (offset + n <= bs) {  // a decode row with drafts, within one block
+    for (int32_t i = 0; i < n; ++i) {
+      positions[i] = start + i;
+      slots[i] = base + offset + i;
+    }
+    return;
+  }
   for (int32_t i = 0;;) {
     const int32_t run = std::min(bs - offset, n - i);
     const int64_t pos0 = int64_t{start} + i;

@@ -162,10 +162,24 @@ FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const
   FinishReason reason = r.pending_stop;
   int32_t stop_token = r.pending_stop_token;
   int32_t kept = 0;
-  while (kept < accepted && reason == FinishReason::kNone) {
-    r.tokens.push_back(sampled[kept++]);
-    r.last_token = r.tokens.back();
-    reason = stop_reason(r, stop_token);
+  if (!r.has_stop_lists && r.num_generated() >= r.min_tokens) {
+    // No stop lists and past min_tokens (the common case): EOS and one length limit per token.
+    const int32_t eos = r.ignore_eos ? -1 : config_.eos_token_id;
+    while (kept < accepted && reason == FinishReason::kNone) {
+      const int32_t tok = sampled[kept++];
+      r.tokens.push_back(tok);
+      r.last_token = tok;
+      if (tok == eos && eos >= 0)
+        reason = FinishReason::kEos;
+      else if (r.num_tokens() >= r.stop_length)
+        reason = length_stop(r);
+    }
+  } else {
+    while (kept < accepted && reason == FinishReason::kNone) {
+      r.tokens.push_back(sampled[kept++]);
+      r.last_token = r.tokens.back();
+      reason = stop_reason(r, stop_token);
+    }
   }
   // Decode-block caching: every position but the last token's now holds verified KV (the row's
   // input was the last token and the drafts now accepted); the blocks it fills are published
