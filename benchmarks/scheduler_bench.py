@@ -46,13 +46,17 @@ from atom_sched import SamplingParams, Scheduler, SchedulerConfig, __version__
 BLOCK_SIZE = 16
 DECODE_SIZES = (64, 256, 1024, 4096)
 
-# DESIGN.md section 8 budgets, in the unit of the workload's result.
+# DESIGN.md section 8 budgets, superseded by issue 10's where it gives one, in the unit of the
+# workload's result.
 BUDGETS: dict[str, float] = {
     "decode_1024": 60.0,  # µs per step (any policy: decode_1024_mixed too)
     "decode_1024_mixed": 60.0,
     "decode_4096": 200.0,  # µs per step
-    "admission": 2000.0,  # µs, all schedule() + update() calls
+    "admission": 400.0,  # µs, all schedule() + update() calls (issue 10; DESIGN.md: 2 ms)
+    "preempt_256": 5.0,  # µs per step under preemption pressure (issue 10)
     "mtp3_256": 30.0,  # µs per step
+    "cpp_row_1024": 8.0,  # ns per decode row, C++ core, K=0 (issue 10)
+    "cpp_mtp3_row_1024": 15.0,  # ns per decode row, C++ core, K=3 (issue 10)
     "marginal_py": 20.0,  # ns per running request per step (the budget is set for the C++ core)
     "marginal_cpp": 20.0,  # ns per running request per step, C++ core
     "fixed_py": 1.2,  # µs per step at 1 running: schedule + views() + update (issue 10)
@@ -745,7 +749,7 @@ def preemption(reps: int, warmup: int, *, check: bool = False, n: int = 256,
     dec = kinds == 1
     mean_rows = float(rows.mean())
     return Result(key="preempt_256", name=f"preemption pressure, {n} live requests", unit="µs/step",
-                  median=med, p10=p10, p90=p90, reps=reps, budget=None,
+                  median=med, p10=p10, p90=p90, reps=reps, budget=BUDGETS["preempt_256"],
                   checked=check,
                   info={"preemptions_per_step": preemptions / reps,
                         "decode_step_fraction": float(dec.mean()),
@@ -844,7 +848,7 @@ def run_cpp_decode(binary: Path, quick: bool, timeout: float = 120.0) -> dict[st
     """Runs BM_DecodeStep of the C++ bench and returns {"per_step_us": {N: µs}, "ns_per_request":
     {N: ns}, "allocs_per_step": {N: n}, "slope_ns": ns}, from CPU time per step. The slope is the
     marginal cost between 1,024 and 4,096 requests."""
-    cmd = [str(binary), "--benchmark_filter=^BM_DecodeStep/", "--benchmark_format=json",
+    cmd = [str(binary), "--benchmark_filter=^BM_DecodeStep", "--benchmark_format=json",
            f"--benchmark_min_time={0.05 if quick else 0.2}",
            f"--benchmark_repetitions={1 if quick else 5}",
            # Repetitions of the four sizes run in random order, so machine noise spreads over
@@ -856,23 +860,29 @@ def run_cpp_decode(binary: Path, quick: bool, timeout: float = 120.0) -> dict[st
     per_step: dict[int, float] = {}
     per_req: dict[int, float] = {}
     allocs: dict[int, float] = {}
+    mtp3_per_req: dict[int, float] = {}
     for bm in data["benchmarks"]:
         if bm.get("error_occurred"):
             raise BenchCheckError(f"C++ {bm['name']}: {bm.get('error_message')}")
         if bm.get("run_type") == "aggregate" and bm.get("aggregate_name") != "median":
             continue
-        n = int(bm["run_name"].split("/")[1])
+        name, n = bm["run_name"].split("/")[0], int(bm["run_name"].split("/")[1])
         scale = {"ns": 1e-3, "us": 1.0, "ms": 1e3}[bm.get("time_unit", "ns")]
         # CPU time: single-threaded, so equal to wall time on an idle machine, and unaffected by
         # other jobs taking the CPU away (which wall time is not).
-        per_step[n] = float(bm["cpu_time"]) * scale
+        us = float(bm["cpu_time"]) * scale
+        if name == "BM_DecodeStepMTP3":
+            mtp3_per_req[n] = us * 1e3 / n
+            continue
+        per_step[n] = us
         per_req[n] = per_step[n] * 1e3 / n
         allocs[n] = float(bm.get("allocs_per_step", 0.0))
     slope = None
     if 1024 in per_step and 4096 in per_step:
         slope = (per_step[4096] - per_step[1024]) * 1e3 / 3072
     return {"binary": str(binary), "per_step_us": per_step, "ns_per_request": per_req,
-            "allocs_per_step": allocs, "slope_ns": slope, "context": data.get("context", {})}
+            "allocs_per_step": allocs, "slope_ns": slope, "mtp3_ns_per_request": mtp3_per_req,
+            "context": data.get("context", {})}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -945,6 +955,13 @@ def run_suite(quick: bool = False, check: bool = False, only: str | None = None,
                 unit="ns/request", median=cpp["slope_ns"], reps=0, budget=BUDGETS["marginal_cpp"],
                 info={"per_step_us": cpp["per_step_us"], "ns_per_request": cpp["ns_per_request"],
                       "allocs_per_step": cpp["allocs_per_step"], "binary": cpp["binary"]})
+        for key, name, per_req in (
+                ("cpp_row_1024", "C++ core decode row, 1,024 running", cpp["ns_per_request"]),
+                ("cpp_mtp3_row_1024", "C++ core decode row, MTP K=3, 1,024 running",
+                 cpp["mtp3_ns_per_request"])):
+            if 1024 in per_req:
+                results[key] = Result(key=key, name=name, unit="ns/request",
+                                      median=per_req[1024], reps=0, budget=BUDGETS[key])
     return list(results.values())
 
 
