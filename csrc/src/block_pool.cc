@@ -194,17 +194,27 @@ void BlockPool::publish(std::span<const int32_t> table, std::span<const uint64_t
   for (int32_t i = first_block; i < end_block; ++i) {
     const int32_t b = table[i];
     const uint64_t h = hashes[i];
-    if (has_hash_[b] || map_.find(h) >= 0) {
-      // Already cached here, or the same content lives in another block (computed twice):
-      // keep the first copy, record nothing (ATOM overwrote the map and re-announced, 8.30).
+    if (has_hash_[b]) {  // already cached here
       run = nullptr;
       continue;
     }
-    const int32_t parent = i > 0 ? map_.find(hashes[i - 1]) : -1;
-    if (i > 0 && parent < 0) return;  // the prefix was reset away: nothing after it is reachable
+    // The parent: usually the request's own previous block (no lookup).
+    int32_t parent = -1;
+    if (i > 0) {
+      const int32_t prev = table[i - 1];
+      parent = has_hash_[prev] && hash_[prev] == hashes[i - 1] ? prev : map_.find(hashes[i - 1]);
+      // The prefix was reset away: nothing after it is reachable. (A block whose content is
+      // cached elsewhere always has its parent cached: the cached set is a forest.)
+      if (parent < 0) return;
+    }
+    if (!map_.insert_if_absent(h, b)) {
+      // The same content lives in another block (computed twice): keep the first copy, record
+      // nothing (ATOM overwrote the map and re-announced, 8.30).
+      run = nullptr;
+      continue;
+    }
     hash_[b] = h;
     has_hash_[b] = 1;
-    map_.insert(h, b);
     parent_[b] = parent;
     if (parent >= 0) {
       next_sibling_[b] = first_child_[parent];

@@ -208,11 +208,16 @@ TEST(FlatHashMapTest, RandomisedAgainstUnorderedMap) {
     for (int op = 0; op < 100000; ++op) {
       const uint64_t key = pool[r() % pool.size()];
       const int kind = static_cast<int>(r() % 10);
-      if (kind < 5) {
+      if (kind < 4) {
         if (static_cast<int32_t>(ref.size()) < kMaxEntries || ref.count(key)) {
           const int32_t value = static_cast<int32_t>(r() % 1000000);
           m.insert(key, value);
           ref[key] = value;
+        }
+      } else if (kind < 5) {  // insert_if_absent: never overwrites
+        if (static_cast<int32_t>(ref.size()) < kMaxEntries || ref.count(key)) {
+          const int32_t value = static_cast<int32_t>(r() % 1000000);
+          ASSERT_EQ(m.insert_if_absent(key, value), ref.emplace(key, value).second) << "op " << op;
         }
       } else if (kind < 8) {
         m.erase(key);

@@ -37,6 +37,19 @@ class FlatHashMap {
     values_[i] = value;
   }
 
+  /// Inserts `key` unless present (one probe sequence for both); whether it inserted.
+  bool insert_if_absent(uint64_t key, int32_t value) noexcept {
+    std::size_t i = home(key);
+    while (values_[i] != kEmpty) {
+      if (keys_[i] == key) return false;
+      i = (i + 1) & mask_;
+    }
+    ++size_;
+    keys_[i] = key;
+    values_[i] = value;
+    return true;
+  }
+
   /// Removes `key` if present. Backward-shift deletion keeps probe chains intact without
   /// tombstones, so lookups never slow down as the cache churns.
   void erase(uint64_t key) noexcept {
