@@ -553,15 +553,15 @@ class Scheduler:
             raise ValueError("postprocess: the outputs' req_ids are not those of the oldest "
                              "forwarded batch (outputs lost or reordered)")
         b = fwd.core
-        if b is not None:  # (a dummy batch's outputs are dropped)
-            # Checked first, then applied: a refused output changes nothing.
-            args, lens = self._update_args(b, fwd_output)
-            out = self._core.update(b, *args)
-            if b.is_prefill:  # (ATOM's batches are all prefill or all decode)
-                self._advance_prefills(b)
-        self._forwarded.popleft()
-        if b is None:
+        if b is None:  # a dummy batch: its outputs are dropped
+            self._forwarded.popleft()
             return []
+        # Checked first, then applied: a refused output changes nothing.
+        args, lens = self._update_args(b, fwd_output)
+        out = self._core.update(b, *args)
+        self._forwarded.popleft()
+        if b.is_prefill:  # (ATOM's batches are all prefill or all decode)
+            self._advance_prefills(b)
         if self.mtp_k:
             self._keep_spec_state(b, lens, args[2])
         return self._deliver(out, b, fwd_output, stream_output_queue)
