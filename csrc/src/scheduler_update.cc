@@ -91,6 +91,8 @@ FinishReason Scheduler::length_stop(const Request& r) const {
   return FinishReason::kNone;
 }
 
+// The stop rule. apply_row_output() inlines its case without stop lists past min_tokens (EOS,
+// then the length limit): a change here changes that loop too.
 FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const {
   const int32_t tok = r.tokens.back();
   const int32_t generated = r.num_generated();
@@ -163,7 +165,8 @@ FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const
   int32_t stop_token = r.pending_stop_token;
   int32_t kept = 0;
   if (!r.has_stop_lists && r.num_generated() >= r.min_tokens) {
-    // No stop lists and past min_tokens (the common case): EOS and one length limit per token.
+    // stop_reason() without stop lists, past min_tokens (the common case): EOS, then the one
+    // cached length limit.
     const int32_t eos = r.ignore_eos ? -1 : config_.eos_token_id;
     while (kept < accepted && reason == FinishReason::kNone) {
       const int32_t tok = sampled[kept++];
