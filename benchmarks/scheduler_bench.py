@@ -762,22 +762,25 @@ def preemption(reps: int, warmup: int, *, check: bool = False, n: int = 256,
                         "cpu_share": ng.cpu_share, "other_busy": ng.other_busy})
 
 
-def compat_atom(n: int, reps: int, warmup: int, *, check: bool = False) -> Result:
+def compat_atom(n: int, reps: int, warmup: int, *, check: bool = False, k: int = 0) -> Result:
     """ATOM's engine step through ``atom_sched.compat.atom`` with ``n`` running requests in
     ATOM's production (deferred-output) mode: timed ``schedule()`` + ``postprocess()`` with a
     stream queue, per running request. The runner's part (building ``ScheduledBatchOutput``,
-    draining the queue) is outside the timing. The Sequence stand-in is the tests' own
+    draining the queue) is outside the timing. With ``k`` > 0 (MTP) every decode row accepts 2
+    of its K+1 tokens. The Sequence stand-in is the tests' own
     (tests/python/support/atom_standins.py: no ATOM code in this repository)."""
     import queue
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
-    from support.atom_standins import AtomSamplingParams, Config, Sequence
+    from support.atom_standins import AtomSamplingParams, Config, Sequence, SpeculativeConfig
 
     from atom_sched.compat.atom import ScheduledBatchOutput
     from atom_sched.compat.atom import Scheduler as AtomScheduler
 
-    cfg = Config(num_kvcache_blocks=n * 32 + 64, kv_cache_block_size=BLOCK_SIZE, max_num_seqs=n,
-                 max_num_batched_tokens=n * 64, max_model_len=4096, eos_token_id=2)
+    cfg = Config(num_kvcache_blocks=n * (32 if k == 0 else 64) + 64,
+                 kv_cache_block_size=BLOCK_SIZE, max_num_seqs=n,
+                 max_num_batched_tokens=n * 64, max_model_len=4096, eos_token_id=2,
+                 speculative_config=SpeculativeConfig(k) if k else None)
     sched = AtomScheduler(cfg)
     prompt = list(range(100, 164))
     for i in range(n):
@@ -785,19 +788,23 @@ def compat_atom(n: int, reps: int, warmup: int, *, check: bool = False) -> Resul
                                                                  ignore_eos=True), id=i + 1))
     stream: queue.Queue = queue.Queue()
     prev: list[int] = []
+    prev_prefill = True
+    drafts = np.full((n, k), 9, np.int32) if k else None
     times = np.zeros(reps, np.int64)
     rows = 0
     clock = time.perf_counter_ns
     ng = _NoGC()
     with ng:
         for i in range(warmup + reps):
-            out = ScheduledBatchOutput(prev, [(7,)] * len(prev), None, None, None,
+            row = (7,) if k == 0 or prev_prefill else (7, 8)
+            out = ScheduledBatchOutput(prev, [row] * len(prev), None, None,
+                                       None if drafts is None else drafts[:len(prev)],
                                        is_deferred_out=True)
             t0 = clock()
             batch, seqs = sched.schedule()
             sched.postprocess(seqs.values(), out, stream)
             t1 = clock()
-            prev = batch.req_ids
+            prev, prev_prefill = batch.req_ids, batch.total_seqs_num_prefill > 0
             while not stream.empty():
                 stream.get_nowait()
             if i >= warmup:
@@ -807,9 +814,11 @@ def compat_atom(n: int, reps: int, warmup: int, *, check: bool = False) -> Resul
                 sched._core.check_invariants()
     _require(rows == reps * n, "compat: not every request decoded in every timed step")
     med, p10, p90 = _summary(times)
-    return Result(key=f"compat_atom_{n}", name=f"ATOM engine step via compat.atom, {n} running",
+    key = f"compat_atom_{n}" if k == 0 else f"compat_atom_mtp{k}_{n}"
+    name = f"ATOM engine step via compat.atom, {n} running" + (f", MTP K={k}" if k else "")
+    return Result(key=key, name=name,
                   unit="ns/request", median=med * 1e3 / n, p10=p10 * 1e3 / n,
-                  p90=p90 * 1e3 / n, reps=reps, budget=BUDGETS.get(f"compat_atom_{n}"),
+                  p90=p90 * 1e3 / n, reps=reps, budget=BUDGETS.get(key),
                   checked=check, info={"median_step_us": med, "cpu_share": ng.cpu_share,
                                        "other_busy": ng.other_busy})
 
@@ -928,6 +937,9 @@ def workloads(quick: bool = False, check: bool = False) -> list[Workload]:
     out.append(Workload("compat_atom_1024", "ATOM compat 1024",
                         lambda: compat_atom(1024, r.decode[1024] // 10, r.warmup // 4,
                                             check=check)))
+    out.append(Workload("compat_atom_mtp2_1024", "ATOM compat 1024, MTP K=2",
+                        lambda: compat_atom(1024, r.decode[1024] // 10, r.warmup // 4,
+                                            check=check, k=2)))
     out.append(Workload("marginal_py", "marginal 1k->4k (paired)",
                         lambda: marginal_paired(r.pairs, r.pair_chunk, r.warmup, check=check)))
     return out
