@@ -753,28 +753,27 @@ void Scheduler::begin_batch(Batch& b) {
 namespace {
 
 // Positions and KV slots of a row's `n` tokens from `start`, the first at `offset` in the block
-// `*table` (its slot base `base`), block by block: the inner loops vectorise (a prompt chunk's
-// thousands of tokens). Out of line: a one-token decode row never calls it.
+// `*table` (its slot base `base`). The index runs in 64 bits, so the vectorised loops add to
+// int64 lanes instead of widening int32 ones.
+//
+// fill_positions_run: `n` tokens inside one block (a decode row with drafts), inline.
+[[gnu::always_inline]] inline void fill_positions_run(int64_t* __restrict positions,
+                                                      int64_t* __restrict slots, int64_t start,
+                                                      int64_t slot0, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    positions[i] = start + i;
+    slots[i] = slot0 + i;
+  }
+}
+
+// fill_positions: any row, block by block (a prompt chunk's thousands of tokens). Out of line: a
+// one-token decode row never calls it.
 [[gnu::noinline]] void fill_positions(int64_t* __restrict positions, int64_t* __restrict slots,
                                       int32_t start, int32_t n, const int32_t* table,
                                       int32_t offset, int64_t base, int32_t bs) {
-  if (offset + n <= bs) {  // a decode row with drafts, within one block
-    for (int32_t i = 0; i < n; ++i) {
-      positions[i] = start + i;
-      slots[i] = base + offset + i;
-    }
-    return;
-  }
   for (int32_t i = 0;;) {
     const int32_t run = std::min(bs - offset, n - i);
-    const int64_t pos0 = int64_t{start} + i;
-    const int64_t slot0 = base + offset;
-    int64_t* __restrict p = positions + i;
-    int64_t* __restrict q = slots + i;
-    for (int32_t j = 0; j < run; ++j) {
-      p[j] = pos0 + j;
-      q[j] = slot0 + j;
-    }
+    fill_positions_run(positions + i, slots + i, int64_t{start} + i, base + offset, run);
     i += run;
     if (i == n) return;
     offset = 0;
@@ -858,6 +857,8 @@ namespace {
   if (num_tokens == 1) {  // a decode row without drafts: no loop (its setup costs more)
     positions[0] = start;
     slots[0] = base + offset;
+  } else if (offset + num_tokens <= bs) {  // a decode row with drafts, within one block
+    fill_positions_run(positions, slots, start, base + offset, num_tokens);
   } else {
     fill_positions(positions, slots, start, num_tokens, table + block, offset, base, bs);
   }

@@ -12,6 +12,61 @@ namespace atom_sched {
 // ---------------------------------------------------------------------------------------------
 // Outputs
 
+namespace {
+
+// validate_outputs()'s rules as one branch-free pass, for K drafts a row (a compile-time K, so
+// the inner loops unroll): accepted counts in 1..max, an emitting row's accepted tokens >= 0,
+// its drafts >= -1 and a prefix (no draft after a -1). `accepted` may be null (all 1).
+template <int K>
+bool rows_look_valid(const Batch& b, const int32_t* sampled, const int32_t* accepted,
+                     const int32_t* drafts) {
+  const int32_t rows = b.num_rows;
+  const uint8_t* emits = b.emits_token.data();
+  const uint8_t* prefill = b.row_is_prefill.data();
+  const int32_t* scheduled = b.num_scheduled_tokens.data();
+  bool bad = false;
+  for (int32_t i = 0; i < rows; ++i) {
+    const int32_t a = accepted != nullptr ? accepted[i] : 1;
+    const int32_t max_accepted = prefill[i] ? 1 : scheduled[i];
+    bad |= (a < 1) | (a > max_accepted);
+    const int32_t* t = sampled + static_cast<size_t>(i) * (K + 1);
+    const int32_t* d = drafts + static_cast<size_t>(i) * K;
+    bool row_bad = false;
+    for (int32_t j = 0; j <= K; ++j) row_bad |= (t[j] < 0) & (j < a);
+    for (int32_t j = 0; j < K; ++j) row_bad |= d[j] < -1;
+    for (int32_t j = 1; j < K; ++j) row_bad |= (d[j] >= 0) & (d[j - 1] < 0);
+    bad |= row_bad & (emits[i] != 0);
+  }
+  return !bad;
+}
+
+}  // namespace
+
+bool Scheduler::outputs_look_valid(const Batch& b, const ModelOutputs& out) const {
+  const int32_t* sampled = out.sampled_token_ids.data();
+  const int32_t* accepted = out.num_accepted.empty() ? nullptr : out.num_accepted.data();
+  const int32_t* drafts = out.draft_token_ids.data();
+  if (k_ == 0 && accepted == nullptr) {  // one token a row (the common decode step)
+    const uint8_t* emits = b.emits_token.data();
+    bool bad = false;
+    for (int32_t i = 0; i < b.num_rows; ++i) bad |= (sampled[i] < 0) & (emits[i] != 0);
+    return !bad;
+  }
+  static_assert(kMaxSpeculativeTokens == 8, "one case per K below");
+  switch (k_) {
+    case 0: return rows_look_valid<0>(b, sampled, accepted, drafts);
+    case 1: return rows_look_valid<1>(b, sampled, accepted, drafts);
+    case 2: return rows_look_valid<2>(b, sampled, accepted, drafts);
+    case 3: return rows_look_valid<3>(b, sampled, accepted, drafts);
+    case 4: return rows_look_valid<4>(b, sampled, accepted, drafts);
+    case 5: return rows_look_valid<5>(b, sampled, accepted, drafts);
+    case 6: return rows_look_valid<6>(b, sampled, accepted, drafts);
+    case 7: return rows_look_valid<7>(b, sampled, accepted, drafts);
+    case 8: return rows_look_valid<8>(b, sampled, accepted, drafts);
+    default: return false;  // config validation keeps K in 0..8; the slow path words it
+  }
+}
+
 void Scheduler::validate_outputs(const Batch& b, const ModelOutputs& out) const {
   const size_t rows = b.num_rows;
   const size_t full = k_ + 1;
@@ -35,13 +90,8 @@ void Scheduler::validate_outputs(const Batch& b, const ModelOutputs& out) const 
     throw InvalidArgument("draft_token_ids given but num_speculative_tokens is 0");
   if (!out.logprobs.empty() && out.logprobs.size() != n)
     throw InvalidArgument("logprobs must have the shape of sampled_token_ids");
-  if (k_ == 0 && out.num_accepted.empty()) {
-    // One token per row and nothing else to check (the common decode step): a tight loop.
-    const int32_t* sampled = out.sampled_token_ids.data();
-    bool bad = false;
-    for (size_t i = 0; i < rows; ++i) bad |= (sampled[i] < 0) & (b.emits_token[i] != 0);
-    if (!bad) return;
-  }
+  if (outputs_look_valid(b, out)) return;
+  // Something is wrong: find the first bad value and say which.
   for (size_t i = 0; i < rows; ++i) {
     // A decode row accepts at most its tokens: K+1, fewer where drafts were capped.
     const int32_t max_accepted = b.row_is_prefill[i] ? 1 : b.num_scheduled_tokens[i];
@@ -152,9 +202,16 @@ FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const
     }
   }
   if (k_ > 0 && running) {
+    // K is small: a plain loop, not a memcpy call. The drafts are a prefix (validated), so the
+    // proposed ones are those >= 0.
     const int32_t* d = out.draft_token_ids.data() + static_cast<size_t>(row) * k_;
-    std::copy_n(d, k_, r.drafts.begin());
-    r.num_drafts = static_cast<int32_t>(std::find(d, d + k_, -1) - d);
+    int32_t* kept_drafts = r.drafts.data();
+    int32_t proposed = 0;
+    for (int32_t j = 0; j < k_; ++j) {
+      kept_drafts[j] = d[j];
+      proposed += d[j] >= 0;
+    }
+    r.num_drafts = proposed;
   }
 
   // Append the accepted tokens one by one; the earliest stop wins and later tokens are dropped.

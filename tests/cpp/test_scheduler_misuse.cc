@@ -206,6 +206,68 @@ TEST(SchedulerTest, BadSpeculativeOutputsAreRejectedAndChangeNothing) {
   EXPECT_EQ(o.tokens(1), (V{30, 31}));
 }
 
+// update() decides whether a step's outputs are valid in one branch-free pass and words the
+// error only when they are not. Random outputs (values around the edges: -2, -1, 0, a token)
+// against the rules written out plainly here: it refuses exactly the bad ones, and a refusal
+// changes nothing. Prefill and decode batches, K = 1..4.
+TEST(SchedulerTest, SpeculativeOutputValidationMatchesTheRules) {
+  std::mt19937 rng(11);
+  const int32_t edge[] = {-2, -1, 0, 7};
+  auto pick = [&] { return edge[rng() % 4]; };
+  for (int32_t k = 1; k <= 4; ++k) {
+    H h(SpecCfg(64, k));
+    for (int64_t id = 1; id <= 3; ++id) h.add(id, {10, 11, 12, 13, 14});
+    int32_t refused = 0, accepted_steps = 0;
+    for (int32_t step = 0; step < 60 && h.s.has_unfinished_requests(); ++step) {
+      auto b = h.sched();
+      ASSERT_TRUE(b);
+      const State before = Capture(h.s);
+      for (int32_t attempt = 0; attempt < 200; ++attempt) {
+        // Mostly plausible rows with an edge value here and there.
+        V sampled, acc, drafts;
+        bool bad = false;
+        for (int32_t i = 0; i < b->num_rows; ++i) {
+          const int32_t max_acc = b->prefill_rows[i] ? 1 : b->nsched[i];
+          const int32_t a = rng() % 16 == 0 ? static_cast<int32_t>(rng() % (k + 3))
+                                           : 1 + static_cast<int32_t>(rng() % max_acc);
+          if (!b->is_prefill) acc.push_back(a);
+          const int32_t rule_a = b->is_prefill ? 1 : a;
+          bad |= rule_a < 1 || rule_a > max_acc;
+          bool row_bad = false, missing = false;
+          for (int32_t j = 0; j <= k; ++j) {
+            sampled.push_back(rng() % 12 == 0 ? pick() : 20 + j);
+            row_bad |= j < rule_a && sampled.back() < 0;
+          }
+          for (int32_t j = 0; j < k; ++j) {
+            drafts.push_back(rng() % 10 == 0 ? pick() : 30 + j);
+            const int32_t d = drafts.back();
+            row_bad |= d < -1 || (d >= 0 && missing);
+            missing |= d == -1;
+          }
+          bad |= row_bad && b->emits[i] != 0;
+        }
+        ModelOutputs o;
+        o.sampled_token_ids = sampled;
+        o.num_accepted = acc;
+        o.draft_token_ids = drafts;
+        if (bad) {
+          EXPECT_THROW(h.s.update(b->id, o), InvalidArgument) << "K " << k << " step " << step;
+          h.Inv("refused outputs");
+          ExpectSame(before, Capture(h.s), "refused outputs");
+          ++refused;
+          continue;
+        }
+        EXPECT_NO_THROW(h.upd(*b, sampled, acc, drafts)) << "K " << k << " step " << step;
+        ++accepted_steps;
+        break;
+      }
+      if (h.s.num_outstanding_batches() > 0) break;  // 200 bad draws in a row: stop here
+    }
+    EXPECT_GT(refused, 10) << "K " << k;
+    EXPECT_GT(accepted_steps, 5) << "K " << k;
+  }
+}
+
 // scheduler.h (ModelOutputs: "W = 1 when K == 0, else K + 1") and docs/api.md ("shape
 // (num_rows,) (only when K = 0) or (num_rows, K+1)") require K + 1 values per row whenever K > 0,
 // prefill batches included.

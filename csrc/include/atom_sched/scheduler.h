@@ -267,6 +267,8 @@ class Scheduler {
 
   // Outputs.
   void validate_outputs(const Batch& b, const ModelOutputs& out) const;
+  /// validate_outputs()'s rules as one pass without messages: true when nothing is wrong.
+  [[nodiscard]] bool outputs_look_valid(const Batch& b, const ModelOutputs& out) const;
   void apply_row_output(const Batch& b, int32_t row, const ModelOutputs& out, int32_t width);
   /// The stop condition met by the request's last token, or kNone.
   [[nodiscard]] FinishReason stop_reason(const Request& r, int32_t& stop_token) const;
