@@ -218,8 +218,11 @@ FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const
   // Tokens known but not streamed yet (a remote prefill's first token) go out with them.
   const int32_t stream_from = r.num_tokens() - r.num_unstreamed;
   const int32_t* sampled = out.sampled_token_ids.data() + static_cast<size_t>(row) * width;
-  FinishReason reason = r.pending_stop;
-  int32_t stop_token = r.pending_stop_token;
+  // An injected first token that already ends it (only ever set with num_unstreamed > 0, which
+  // keeps the cold fields off the common path).
+  const bool injected = r.num_unstreamed > 0;
+  FinishReason reason = injected ? r.pending_stop : FinishReason::kNone;
+  int32_t stop_token = injected ? r.pending_stop_token : -1;
   int32_t kept = 0;
   if (!r.has_stop_lists && r.num_generated() >= r.min_tokens) {
     // stop_reason() without stop lists, past min_tokens (the common case): EOS, then the one

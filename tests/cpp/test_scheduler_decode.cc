@@ -37,6 +37,43 @@ namespace {
 // Decode batches and preemption
 // ---------------------------------------------------------------------------------------------
 
+// request.h groups a Request's fields by the cache lines a steady decode step touches; a field
+// added in the wrong place would quietly cost a miss per row at thousands of requests.
+TEST(RequestLayout, DecodeStepFieldsShareTheirCacheLines) {
+  const Request r;
+  const char* base = reinterpret_cast<const char*>(&r);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(base) % 64, 0u);
+  const auto in_line = [&](const auto& field, int line) {
+    const char* p = reinterpret_cast<const char*>(&field);
+    return p - base >= 64 * line && p + sizeof(field) - base <= 64 * (line + 1);
+  };
+#define EXPECT_IN_LINE(field, line) EXPECT_TRUE(in_line(r.field, line)) << #field
+  EXPECT_IN_LINE(status, 0);
+  EXPECT_IN_LINE(has_stop_lists, 0);
+  EXPECT_IN_LINE(ignore_eos, 0);
+  EXPECT_IN_LINE(wants_logprobs, 0);
+  EXPECT_IN_LINE(num_computed_tokens, 0);
+  EXPECT_IN_LINE(prefill_target, 0);
+  EXPECT_IN_LINE(num_inflight, 0);
+  EXPECT_IN_LINE(num_unstreamed, 0);
+  EXPECT_IN_LINE(num_drafts, 0);
+  EXPECT_IN_LINE(stop_length, 0);
+  EXPECT_IN_LINE(min_tokens, 0);
+  EXPECT_IN_LINE(num_prompt_tokens, 0);
+  EXPECT_IN_LINE(last_token, 0);
+  EXPECT_IN_LINE(last_block, 0);
+  EXPECT_IN_LINE(blocks_shipped, 0);
+  EXPECT_IN_LINE(blocks_published, 0);
+  EXPECT_IN_LINE(prefix_hit_tokens, 0);
+  EXPECT_IN_LINE(epoch, 0);
+  EXPECT_IN_LINE(id, 1);
+  EXPECT_IN_LINE(tokens, 1);
+  EXPECT_IN_LINE(block_table, 1);
+  EXPECT_IN_LINE(device_slot, 1);
+  EXPECT_IN_LINE(state_slot, 1);
+#undef EXPECT_IN_LINE
+}
+
 TEST(SchedulerTest, DecodeBatchArrays) {
   H h(Cfg(6));
   const Snap d = ThreeFillThePool(h, 64);

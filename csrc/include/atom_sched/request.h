@@ -24,49 +24,56 @@ namespace atom_sched {
 enum class RequestStatus : uint8_t { kWaiting, kRunning, kFinished, kWaitingForRemoteKv };
 
 struct alignas(64) Request {
-  // Hot fields first, packed into the cache lines a decode step touches (schedule + update);
-  // the queue links live outside, in Scheduler::links_, so walking the running list does not
-  // pull every request's cache lines into a serial chain of misses.
-  int64_t id = -1;
-  uint64_t epoch = 0;               // unique per admission (a new block table); 0: never admitted
+  // Grouped by the cache lines a steady decode step touches, so that a row costs two or three
+  // lines of its request (plus its token tail) rather than five: at thousands of running
+  // requests these records outgrow the L2 and each line is a miss. The queue links live outside,
+  // in Scheduler::links_, so walking the running list does not chain misses through records.
+  //
+  // Line 0 (64 bytes): read or written by every decode row, in schedule() and in update().
   RequestStatus status = RequestStatus::kFinished;
-  bool in_use = false;     // the slot holds a request (maybe finished, awaiting in-flight outputs)
-  bool preempted = false;     // was preempted at least once since it was added
-  bool ignore_eos = false;
   bool has_stop_lists = false;      // stop_token_ids or stop_sequences non-empty
+  bool ignore_eos = false;
   bool wants_logprobs = false;
-  bool remote_ready = false;   // kWaitingForRemoteKv: the KV has arrived
-  bool awaiting_send = false;  // finished; blocks kept until the connector has sent them
-  bool awaiting_recv = false;  // finished while its KV was still arriving; blocks kept till then
   int32_t num_computed_tokens = 0;  // S
-  // Copies of tokens.back() and block_table.back(): a decode row reads them instead of two more
-  // cache lines per request (about a fifth of a decode step at thousands of requests).
-  int32_t last_token = -1;
-  int32_t last_block = -1;
   int32_t prefill_target = 0;       // tokens to prefill at this admission (R when admitted)
   int32_t num_inflight = 0;
-  int32_t num_prompt_tokens = 0;
-  int32_t prefix_hit_tokens = 0;    // cache-hit tokens at the last admission
-  int32_t state_slot = -1;
-  int32_t device_slot = -1;         // 0..max_num_seqs-1 while admitted
-  int32_t blocks_shipped = 0;       // block-table entries already sent to the device slot
-  int32_t blocks_published = 0;     // leading blocks the prefix cache knows (hits, published)
-  int32_t max_tokens = 0;
-  int32_t stop_length = 0;         // a length rule ends it once it holds this many tokens
-  int32_t min_tokens = 0;          // no EOS, stop token or sequence ends it before this many
   int32_t num_unstreamed = 0;      // trailing tokens known but not streamed yet (an injected T0)
   int32_t num_drafts = 0;          // leading entries of `drafts` the drafter proposed (<= K)
+  int32_t stop_length = 0;         // a length rule ends it once it holds this many tokens
+  int32_t min_tokens = 0;          // no EOS, stop token or sequence ends it before this many
+  int32_t num_prompt_tokens = 0;
+  // Copies of tokens.back() and block_table.back(): a decode row reads them instead of two more
+  // cache lines per request.
+  int32_t last_token = -1;
+  int32_t last_block = -1;
+  int32_t blocks_shipped = 0;       // block-table entries already sent to the device slot
+  int32_t blocks_published = 0;     // leading blocks the prefix cache knows (hits, published)
+  int32_t prefix_hit_tokens = 0;    // cache-hit tokens at the last admission
+  uint64_t epoch = 0;               // unique per admission (a new block table); 0: never admitted
+
+  // Line 1: the id (every output entry) and the two vectors every row reads the size of.
+  int64_t id = -1;
+  std::vector<int32_t> tokens;        // R real tokens
+  std::vector<int32_t> block_table;   // KV block ids
+  int32_t device_slot = -1;         // 0..max_num_seqs-1 while admitted
+  int32_t state_slot = -1;
+
+  // Line 2: MTP drafts, and the sampling columns a row copies when it changes owner.
+  std::vector<int32_t> drafts;        // K drafts proposed with the last output, -1 padded
   float temperature = 1.0f;
   int32_t top_k = -1;
   float top_p = 1.0f;
   int64_t seed = -1;
-  std::vector<int32_t> tokens;        // R real tokens
-  std::vector<int32_t> block_table;   // KV block ids
-  std::vector<int32_t> drafts;        // K drafts proposed with the last output, -1 padded
+
+  // Cold fields: admission, finishing, stop lists, remote prefills.
+  bool in_use = false;     // the slot holds a request (maybe finished, awaiting in-flight outputs)
+  bool preempted = false;     // was preempted at least once since it was added
+  bool remote_ready = false;   // kWaitingForRemoteKv: the KV has arrived
+  bool awaiting_send = false;  // finished; blocks kept until the connector has sent them
+  bool awaiting_recv = false;  // finished while its KV was still arriving; blocks kept till then
+  int32_t max_tokens = 0;
   std::vector<int32_t> stop_token_ids;
   std::vector<std::vector<int32_t>> stop_sequences;
-
-  // Cold fields.
   std::vector<uint64_t> block_hashes; // chain hashes of the leading full blocks of `tokens`
   double arrival_time = 0.0;
   std::optional<uint64_t> hash_namespace;  // parent of block 0 (hash_namespace() of the keys)
@@ -76,6 +83,7 @@ struct alignas(64) Request {
   FinishReason finish_reason = FinishReason::kNone;
   int32_t stop_token = -1;
   int32_t remote_first_token = -1;      // the producer's first token, injected when the KV arrives
+  // Set only with num_unstreamed > 0 (which guards every read on the step path).
   FinishReason pending_stop = FinishReason::kNone;  // the injected first token already stops it
   int32_t pending_stop_token = -1;
   std::vector<int32_t> remote_drafts;   // the producer's drafts, likewise
