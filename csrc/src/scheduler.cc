@@ -580,7 +580,9 @@ int32_t Scheduler::final_length(const Request& r) const {
       {max_tokens, config_.max_model_len, int64_t{pool_positions_} + 1}));
 }
 
+template <bool kSpec>
 [[gnu::always_inline]] inline int32_t Scheduler::decode_row_tokens(const Request& r) const {
+  const int32_t k = kSpec ? k_ : 0;
   // A remote request whose injected first token already ends it: one row streams that token.
   // (num_unstreamed, a hot field, guards the read of the cold pending_stop.)
   if (r.num_unstreamed > 0 && r.pending_stop != FinishReason::kNone)
@@ -591,11 +593,12 @@ int32_t Scheduler::final_length(const Request& r) const {
   // Every position < max_model_len (a model's rotary table has that many rows) and inside the
   // pool: drafts past the limit are not scheduled (as vLLM). S is an upper bound one step ahead,
   // so the device's exact positions are below the limit too.
-  const int32_t n = std::clamp(position_limit_ - r.num_computed_tokens, 0, k_ + 1);
-  if (config_.uniform_decode_rows) return r.num_inflight > 0 && n <= k_ ? 0 : n;
+  const int32_t n = std::clamp(position_limit_ - r.num_computed_tokens, 0, k + 1);
+  if (kSpec && config_.uniform_decode_rows) return r.num_inflight > 0 && n <= k ? 0 : n;
   // With its drafts known (nothing in flight), a row verifies only those the drafter proposed,
   // and reserves KV for them only. One step ahead they are not known yet: K+1, an upper bound
   // (the device pads missing drafts and never accepts them).
+  if constexpr (!kSpec) return n;  // no drafts
   return r.num_inflight == 0 ? std::min(n, r.num_drafts + 1) : n;
 }
 
@@ -617,6 +620,13 @@ bool Scheduler::preemption_can_free(int32_t slot, int32_t missing) {
 }
 
 int32_t Scheduler::schedule_decodes(Batch& b) {
+  const bool pow2 = block_shift_ >= 0;
+  if (k_ > 0) return pow2 ? schedule_decode_rows<true, true>(b) : schedule_decode_rows<true, false>(b);
+  return pow2 ? schedule_decode_rows<false, true>(b) : schedule_decode_rows<false, false>(b);
+}
+
+template <bool kSpec, bool kPow2>
+int32_t Scheduler::schedule_decode_rows(Batch& b) {
   const int32_t first_row = b.num_rows;
   for (int32_t s = running_.head; s >= 0;) {
     if (b.num_rows >= config_.max_num_seqs) break;
@@ -625,7 +635,7 @@ int32_t Scheduler::schedule_decodes(Batch& b) {
       s = links_[s].next;
       continue;
     }
-    const int32_t n = decode_row_tokens(r);
+    const int32_t n = decode_row_tokens<kSpec>(r);
     if (n == 0) {
       s = links_[s].next;
       continue;
@@ -633,7 +643,7 @@ int32_t Scheduler::schedule_decodes(Batch& b) {
     if (b.num_tokens + n > config_.max_num_batched_tokens) break;
     // Exact reservation for this row's positions S .. S+n-1 (ATOM over- or under-reserved,
     // 8.6/8.7).
-    const int32_t needed = blocks_for(r.num_computed_tokens + n);
+    const int32_t needed = blocks_in<kPow2>(r.num_computed_tokens + n);
     const int32_t have = static_cast<int32_t>(r.block_table.size());
     if (have < needed && !pool_.grow(r.block_table, needed)) {
       // Blocks held where no preemption reaches (rows before it, requests waiting for a
@@ -657,7 +667,7 @@ int32_t Scheduler::schedule_decodes(Batch& b) {
       if (preempted_self) break;  // s was the tail: nothing after it
     }
     if (static_cast<int32_t>(r.block_table.size()) != have) r.last_block = r.block_table.back();
-    add_decode_row(b, s, n);
+    add_decode_row<kSpec, kPow2>(b, s, n);
     s = links_[s].next;
   }
   return b.num_rows - first_row;
@@ -817,6 +827,7 @@ namespace {
   r.blocks_shipped = size;
 }
 
+template <bool kPow2>
 [[gnu::always_inline]] inline int32_t Scheduler::begin_row(Batch& b, Request& r, int32_t slot,
                                                           int32_t num_tokens) {
   const int32_t row = b.num_rows;
@@ -841,7 +852,7 @@ namespace {
   b.num_scheduled_tokens[row] = num_tokens;
   b.num_cached_tokens[row] = start;
   b.context_lens[row] = end;
-  b.last_block_num_tokens[row] = end - block_of(end - 1) * bs;
+  b.last_block_num_tokens[row] = end - block_in<kPow2>(end - 1) * bs;
   b.cu_seqlens_q[row + 1] = b.cu_seqlens_q[row] + num_tokens;
   b.cu_seqlens_k[row + 1] = b.cu_seqlens_k[row] + end;
   b.max_seqlen_q = std::max(b.max_seqlen_q, num_tokens);
@@ -850,7 +861,7 @@ namespace {
   int64_t* positions = b.positions.data() + first;
   int64_t* slots = b.slot_mapping.data() + first;
   const int32_t* table = r.block_table.data();
-  int32_t block = block_of(start);
+  int32_t block = block_in<kPow2>(start);
   int32_t offset = start - block * bs;
   const int32_t last = static_cast<int32_t>(r.block_table.size()) - 1;
   int64_t base = int64_t{block == last ? r.last_block : table[block]} * bs;
@@ -871,7 +882,8 @@ namespace {
 
 void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   Request& r = requests_[slot];
-  const int32_t row = begin_row(b, r, slot, chunk);
+  const int32_t row = block_shift_ >= 0 ? begin_row<true>(b, r, slot, chunk)
+                                        : begin_row<false>(b, r, slot, chunk);
   std::copy_n(r.tokens.begin() + r.num_computed_tokens, chunk,
               b.scheduled_tokens.data() + b.num_tokens);
   b.num_tokens += chunk;
@@ -885,15 +897,15 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   ++r.num_inflight;
 }
 
+template <bool kSpec, bool kPow2>
 [[gnu::always_inline]] inline void Scheduler::add_decode_row(Batch& b, int32_t slot,
                                                             int32_t n) {
   Request& r = requests_[slot];
-  const int32_t row = begin_row(b, r, slot, n);
+  const int32_t row = begin_row<kPow2>(b, r, slot, n);
   const bool known = r.num_inflight == 0;
   // Input: the last real token, then n-1 of the K drafts (all K but near the position limit).
   // One step ahead they are still on the device. Drafts not scheduled read -1.
   int32_t* tokens = b.scheduled_tokens.data() + b.num_tokens;
-  int32_t* drafts = b.spec_draft_tokens.data() + static_cast<size_t>(row) * k_;
   // S == R - 1 when known, but for a remote request whose injected first token already ends it
   // at the position limit: its one row re-forwards the last prompt token (start_remote_decode).
   if (!known)
@@ -902,8 +914,11 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
     tokens[0] = r.last_token;
   else
     tokens[0] = r.tokens[r.num_computed_tokens];
-  for (int32_t j = 0; j < n - 1; ++j) drafts[j] = tokens[j + 1] = known ? r.drafts[j] : -1;
-  for (int32_t j = n - 1; j < k_; ++j) drafts[j] = -1;
+  if constexpr (kSpec) {
+    int32_t* drafts = b.spec_draft_tokens.data() + static_cast<size_t>(row) * k_;
+    for (int32_t j = 0; j < n - 1; ++j) drafts[j] = tokens[j + 1] = known ? r.drafts[j] : -1;
+    for (int32_t j = n - 1; j < k_; ++j) drafts[j] = -1;
+  }
   b.num_tokens += n;
   b.row_is_prefill[row] = 0;
   b.emits_token[row] = 1;

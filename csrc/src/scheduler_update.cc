@@ -167,6 +167,7 @@ FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const
   return length_stop(r);
 }
 
+template <bool kSpec>
 [[gnu::always_inline]] inline void Scheduler::apply_row_output(const Batch& b, int32_t row,
                                                               const ModelOutputs& out,
                                                               int32_t width) {
@@ -190,18 +191,19 @@ FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const
     }
     if (!b.emits_token[row]) return;  // an intermediate chunk samples garbage
   } else {
-    if (!out.num_accepted.empty()) accepted = out.num_accepted[row];
-    // Roll back the upper bound by the rejected drafts (a preempted request restarts from 0).
-    const int32_t scheduled = b.num_scheduled_tokens[row];  // K+1, or fewer near the limit
-    if (running) r.num_computed_tokens -= scheduled - accepted;
-    if (k_ > 0) {
+    // Without drafts a decode row schedules one token and accepts it: nothing to roll back.
+    if constexpr (kSpec) {
+      if (!out.num_accepted.empty()) accepted = out.num_accepted[row];
+      // Roll back the upper bound by the rejected drafts (a preempted request restarts from 0).
+      const int32_t scheduled = b.num_scheduled_tokens[row];  // K+1, or fewer near the limit
+      if (running) r.num_computed_tokens -= scheduled - accepted;
       ++stats_.num_spec_steps;
       stats_.num_draft_tokens += scheduled - 1;
       stats_.num_accepted_draft_tokens += accepted - 1;
       ++stats_.acceptance_counts[accepted - 1];
     }
   }
-  if (k_ > 0 && running) {
+  if (kSpec && running) {
     // K is small: a plain loop, not a memcpy call. The drafts are a prefix (validated), so the
     // proposed ones are those >= 0.
     const int32_t* d = out.draft_token_ids.data() + static_cast<size_t>(row) * k_;
@@ -317,7 +319,11 @@ const StepOutput& Scheduler::update(uint64_t batch_id, const ModelOutputs& out) 
   so_tokens_ = 0;
   const int32_t width =
       b.num_rows > 0 ? static_cast<int32_t>(out.sampled_token_ids.size()) / b.num_rows : 1;
-  for (int32_t row = 0; row < b.num_rows; ++row) apply_row_output(b, row, out, width);
+  // Compiled per kind of step (as schedule_decode_rows()): no draft logic when K = 0.
+  if (k_ > 0)
+    for (int32_t row = 0; row < b.num_rows; ++row) apply_row_output<true>(b, row, out, width);
+  else
+    for (int32_t row = 0; row < b.num_rows; ++row) apply_row_output<false>(b, row, out, width);
   so.req_ids.resize(so_entries_);
   so.token_offsets.resize(so_entries_ + 1);
   so.new_tokens.resize(so_tokens_);

@@ -223,15 +223,31 @@ class Scheduler {
   [[nodiscard]] bool passed_delay(double now);
   void schedule_prefills(Batch& b, double now);
   int32_t schedule_decodes(Batch& b);  // returns the decode rows it added
+  // The decode loop and its row helpers are compiled per kind of step (kSpec: K > 0; kPow2: a
+  // power-of-two block size), so the common K = 0 step carries no draft logic and no division
+  // test: the same source, with K and the block division fixed at compile time.
+  template <bool kSpec, bool kPow2>
+  int32_t schedule_decode_rows(Batch& b);
   /// Tokens of the request's next decode row: K+1, fewer where a position would reach
   /// position_limit_, 0 (no row) when none is left or its outputs in flight will end it.
+  template <bool kSpec>
   [[nodiscard]] int32_t decode_row_tokens(const Request& r) const;
-  /// The block holding position `pos` (>= 0), and the blocks `n` positions need.
+  /// The block holding position `pos` (>= 0), and the blocks `n` positions need. block_in() and
+  /// blocks_in() are the same with the block size's kind fixed at compile time (kPow2:
+  /// block_shift_ >= 0, a shift; else a division), for the loops compiled per kind.
+  template <bool kPow2>
+  [[nodiscard]] int32_t block_in(int32_t pos) const noexcept {
+    return kPow2 ? pos >> block_shift_ : pos / config_.block_size;
+  }
   [[nodiscard]] int32_t block_of(int32_t pos) const noexcept {
-    return block_shift_ >= 0 ? pos >> block_shift_ : pos / config_.block_size;
+    return block_shift_ >= 0 ? block_in<true>(pos) : block_in<false>(pos);
+  }
+  template <bool kPow2>
+  [[nodiscard]] int32_t blocks_in(int32_t n) const noexcept {
+    return block_in<kPow2>(n + config_.block_size - 1);
   }
   [[nodiscard]] int32_t blocks_for(int32_t n) const noexcept {
-    return block_of(n + config_.block_size - 1);
+    return block_shift_ >= 0 ? blocks_in<true>(n) : blocks_in<false>(n);
   }
   /// The token count at which a length rule (max_tokens, max_model_len, kv_capacity) ends it.
   [[nodiscard]] int32_t final_length(const Request& r) const;
@@ -255,7 +271,9 @@ class Scheduler {
   // Batch assembly.
   void begin_batch(Batch& b);
   void add_prefill_row(Batch& b, int32_t slot, int32_t chunk);
+  template <bool kSpec, bool kPow2>
   void add_decode_row(Batch& b, int32_t slot, int32_t num_tokens);
+  template <bool kPow2>
   int32_t begin_row(Batch& b, Request& r, int32_t slot, int32_t num_tokens);
   void ship_new_blocks(Batch& b, int32_t row, Request& r);
   void fill_block_table_row(Batch& b, int32_t row, const Request& r, bool same_owner);
@@ -269,6 +287,7 @@ class Scheduler {
   void validate_outputs(const Batch& b, const ModelOutputs& out) const;
   /// validate_outputs()'s rules as one pass without messages: true when nothing is wrong.
   [[nodiscard]] bool outputs_look_valid(const Batch& b, const ModelOutputs& out) const;
+  template <bool kSpec>
   void apply_row_output(const Batch& b, int32_t row, const ModelOutputs& out, int32_t width);
   /// The stop condition met by the request's last token, or kNone.
   [[nodiscard]] FinishReason stop_reason(const Request& r, int32_t& stop_token) const;
