@@ -621,7 +621,8 @@ bool Scheduler::preemption_can_free(int32_t slot, int32_t missing) {
 
 int32_t Scheduler::schedule_decodes(Batch& b) {
   const bool pow2 = block_shift_ >= 0;
-  if (k_ > 0) return pow2 ? schedule_decode_rows<true, true>(b) : schedule_decode_rows<true, false>(b);
+  if (k_ > 0)
+    return pow2 ? schedule_decode_rows<true, true>(b) : schedule_decode_rows<true, false>(b);
   return pow2 ? schedule_decode_rows<false, true>(b) : schedule_decode_rows<false, false>(b);
 }
 

@@ -170,7 +170,8 @@ FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const
 template <bool kSpec>
 [[gnu::always_inline]] inline void Scheduler::apply_row_output(const Batch& b, int32_t row,
                                                               const ModelOutputs& out,
-                                                              int32_t width) {
+                                                              int32_t width,
+                                                              OutputCursor& cursor) {
   const int32_t slot = b.request_index[row];
   Request& r = requests_[slot];
   --r.num_inflight;
@@ -254,9 +255,9 @@ template <bool kSpec>
     publish_blocks(r, (r.num_tokens() - 1) / config_.block_size);
   // Entries are written by index into arrays update() sized for the worst case.
   StepOutput& so = step_output_;
-  const int32_t e = so_entries_++;
+  const int32_t e = cursor.entries++;
   so.req_ids[e] = r.id;
-  int32_t* tokens_out = so.new_tokens.data() + so_tokens_;
+  int32_t* tokens_out = so.new_tokens.data() + cursor.tokens;
   const int32_t* known = r.tokens.data();
   const int32_t total = r.num_tokens();
   if (total - stream_from == 1) {  // one new token (a decode row without drafts): no loop
@@ -265,15 +266,15 @@ template <bool kSpec>
     for (int32_t i = stream_from; i < total; ++i) *tokens_out++ = known[i];
   }
   if (!out.logprobs.empty()) {
-    float* lp_out = so.new_logprobs.data() + so_tokens_;
+    float* lp_out = so.new_logprobs.data() + cursor.tokens;
     const float* lp = out.logprobs.data() + static_cast<size_t>(row) * width;
     for (int32_t j = 0; j < r.num_unstreamed; ++j)
       *lp_out++ = std::numeric_limits<float>::quiet_NaN();
     for (int32_t j = 0; j < kept; ++j) *lp_out++ = lp[j];
   }
-  so_tokens_ += total - stream_from;
+  cursor.tokens += total - stream_from;
   r.num_unstreamed = 0;
-  so.token_offsets[e + 1] = so_tokens_;
+  so.token_offsets[e + 1] = cursor.tokens;
   so.finish_reasons[e] = reason;
   so.stop_tokens[e] = stop_token;
   so.prefix_hit_tokens[e] = r.prefix_hit_tokens;
@@ -315,23 +316,26 @@ const StepOutput& Scheduler::update(uint64_t batch_id, const ModelOutputs& out) 
   so.finished_entries.clear();
   so.finished_offsets.resize(1);
   so.finished_tokens.clear();
-  so_entries_ = 0;
-  so_tokens_ = 0;
+  // Filled so far; a local (not a member), so the column stores cannot alias it.
+  OutputCursor cursor;
   const int32_t width =
       b.num_rows > 0 ? static_cast<int32_t>(out.sampled_token_ids.size()) / b.num_rows : 1;
   // Compiled per kind of step (as schedule_decode_rows()): no draft logic when K = 0.
-  if (k_ > 0)
-    for (int32_t row = 0; row < b.num_rows; ++row) apply_row_output<true>(b, row, out, width);
-  else
-    for (int32_t row = 0; row < b.num_rows; ++row) apply_row_output<false>(b, row, out, width);
-  so.req_ids.resize(so_entries_);
-  so.token_offsets.resize(so_entries_ + 1);
-  so.new_tokens.resize(so_tokens_);
-  if (!out.logprobs.empty()) so.new_logprobs.resize(so_tokens_);
-  so.finish_reasons.resize(so_entries_);
-  so.stop_tokens.resize(so_entries_);
-  so.prefix_hit_tokens.resize(so_entries_);
-  so.wants_logprobs.resize(so_entries_);
+  if (k_ > 0) {
+    for (int32_t row = 0; row < b.num_rows; ++row)
+      apply_row_output<true>(b, row, out, width, cursor);
+  } else {
+    for (int32_t row = 0; row < b.num_rows; ++row)
+      apply_row_output<false>(b, row, out, width, cursor);
+  }
+  so.req_ids.resize(cursor.entries);
+  so.token_offsets.resize(cursor.entries + 1);
+  so.new_tokens.resize(cursor.tokens);
+  if (!out.logprobs.empty()) so.new_logprobs.resize(cursor.tokens);
+  so.finish_reasons.resize(cursor.entries);
+  so.stop_tokens.resize(cursor.entries);
+  so.prefix_hit_tokens.resize(cursor.entries);
+  so.wants_logprobs.resize(cursor.entries);
   --num_outstanding_;
   return step_output_;
 }

@@ -287,8 +287,12 @@ class Scheduler {
   void validate_outputs(const Batch& b, const ModelOutputs& out) const;
   /// validate_outputs()'s rules as one pass without messages: true when nothing is wrong.
   [[nodiscard]] bool outputs_look_valid(const Batch& b, const ModelOutputs& out) const;
+  struct OutputCursor {  // step_output_ entries and tokens written so far by update()
+    int32_t entries = 0, tokens = 0;
+  };
   template <bool kSpec>
-  void apply_row_output(const Batch& b, int32_t row, const ModelOutputs& out, int32_t width);
+  void apply_row_output(const Batch& b, int32_t row, const ModelOutputs& out, int32_t width,
+                        OutputCursor& cursor);
   /// The stop condition met by the request's last token, or kNone.
   [[nodiscard]] FinishReason stop_reason(const Request& r, int32_t& stop_token) const;
   /// The length rules alone, in their order: max_tokens, max_model_len, kv_capacity.
@@ -321,7 +325,6 @@ class Scheduler {
   uint64_t next_batch_id_ = 1;
 
   StepOutput step_output_;
-  int32_t so_entries_ = 0, so_tokens_ = 0;  // filled so far by the update() in progress
   std::vector<RejectedRequest> rejected_;
   SchedulerStats stats_;
 
