@@ -102,7 +102,7 @@ int32_t BlockPool::can_allocate(std::span<const uint64_t> hashes, std::span<cons
   return num_free_ >= fresh ? hits : -1;
 }
 
-void BlockPool::unlink_free(int32_t b) {
+[[gnu::always_inline]] inline void BlockPool::unlink_free(int32_t b) {
   int32_t p = free_prev_[b], n = free_next_[b];
   (p >= 0 ? free_next_[p] : free_head_) = n;
   (n >= 0 ? free_prev_[n] : free_tail_) = p;
@@ -110,7 +110,7 @@ void BlockPool::unlink_free(int32_t b) {
   --num_free_;
 }
 
-void BlockPool::push_free_tail(int32_t b) {
+[[gnu::always_inline]] inline void BlockPool::push_free_tail(int32_t b) {
   free_prev_[b] = free_tail_;
   free_next_[b] = -1;
   (free_tail_ >= 0 ? free_next_[free_tail_] : free_head_) = b;
@@ -148,11 +148,12 @@ void BlockPool::forget_leaf(int32_t b) {
   }
 }
 
-int32_t BlockPool::pop_free_head() {
+[[gnu::always_inline]] inline int32_t BlockPool::pop_free_head() {
   int32_t b = free_head_;
   if (b < 0) throw InvariantViolation("BlockPool: no free block (caller skipped the check)");
   unlink_free(b);
-  forget_hash(b);  // lazy eviction: the cached content is overwritten from now on
+  // Lazy eviction: the cached content is overwritten from now on (most blocks have none).
+  if (has_hash_[b]) forget_hash(b);
   ref_count_[b] = 1;
   return b;
 }
