@@ -78,6 +78,12 @@ int32_t BlockPool::cached_block(uint64_t hash) const {
 int32_t BlockPool::count_cached_blocks(std::span<const uint64_t> hashes,
                                        std::span<const int32_t> tokens,
                                        int32_t max_blocks) const {
+  int32_t shared = 0;
+  return leading_hits(hashes, tokens, max_blocks, shared);
+}
+
+int32_t BlockPool::leading_hits(std::span<const uint64_t> hashes, std::span<const int32_t> tokens,
+                                int32_t max_blocks, int32_t& shared) const {
   if (!prefix_caching_) return 0;
   int32_t n = std::min<int32_t>(max_blocks, static_cast<int32_t>(hashes.size()));
   int32_t hits = 0;
@@ -86,6 +92,7 @@ int32_t BlockPool::count_cached_blocks(std::span<const uint64_t> hashes,
     if (b < 0 || !tokens_match(b, tokens.subspan(static_cast<size_t>(hits) * block_size_,
                                                   block_size_)))
       break;
+    shared += ref_count_[b] > 0;
   }
   return hits;
 }
@@ -94,12 +101,11 @@ int32_t BlockPool::can_allocate(std::span<const uint64_t> hashes, std::span<cons
                                 int32_t num_tokens, bool needs_state_slot) const {
   if (needs_state_slot && free_state_slots_.empty()) return -1;
   const int32_t num_needed = (num_tokens + block_size_ - 1) / block_size_;
-  // The last block is never a hit, so prefill always computes at least one token.
-  const int32_t hits = count_cached_blocks(hashes, tokens, num_needed - 1);
-  int32_t fresh = num_needed;
-  for (int32_t i = 0; i < hits; ++i)
-    if (ref_count_[map_.find(hashes[i])] > 0) --fresh;  // shared with a live request: no new block
-  return num_free_ >= fresh ? hits : -1;
+  // The last block is never a hit, so prefill always computes at least one token. A hit held by
+  // a live request needs no new block.
+  int32_t shared = 0;
+  const int32_t hits = leading_hits(hashes, tokens, num_needed - 1, shared);
+  return num_free_ >= num_needed - shared ? hits : -1;
 }
 
 [[gnu::always_inline]] inline void BlockPool::unlink_free(int32_t b) {

@@ -126,6 +126,9 @@ class BlockPool {
   [[nodiscard]] std::vector<int32_t> free_list() const;
 
  private:
+  /// count_cached_blocks(), also counting in `shared` the hits a live request holds.
+  int32_t leading_hits(std::span<const uint64_t> hashes, std::span<const int32_t> tokens,
+                       int32_t max_blocks, int32_t& shared) const;
   int32_t pop_free_head();       // takes the LRU block off the free list, evicting its hash
   void unlink_free(int32_t b);   // removes b from the free list
   void push_free_tail(int32_t b);
