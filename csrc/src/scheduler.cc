@@ -250,10 +250,10 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
       k_ + 1;
   r.tokens.clear();
   r.tokens.reserve(most_tokens);
-  r.tokens.assign(prompt.begin(), prompt.end());
-  r.last_token = r.tokens.back();
+  r.set_tokens(prompt.data(), prompt.size());
   r.block_table.clear();
   r.block_table.reserve(table_width_);
+  r.table_changed();
   r.block_hashes.clear();
   r.block_hashes.reserve(table_width_);
   // The prompt's block hashes now, as vLLM hashes a request when it is created: admission only
@@ -475,7 +475,7 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
                          : chunk_of(r.num_tokens() - hits * bs, budget - b.num_tokens, r.preempted);
     if (chunk == 0 && !match.load_async) break;
     pool_.allocate(r.block_hashes, hits, r.num_tokens(), r.block_table);
-    r.last_block = r.block_table.back();
+    r.table_changed();
     r.epoch = next_epoch_++;
     r.blocks_shipped = 0;
     r.blocks_published = hits;
@@ -645,7 +645,7 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
     // Exact reservation for this row's positions S .. S+n-1 (ATOM over- or under-reserved,
     // 8.6/8.7).
     const int32_t needed = blocks_in<kPow2>(r.num_computed_tokens + n);
-    const int32_t have = static_cast<int32_t>(r.block_table.size());
+    const int32_t have = r.table_size;
     if (have < needed && !pool_.grow(r.block_table, needed)) {
       // Blocks held where no preemption reaches (rows before it, requests waiting for a
       // transfer): with an empty batch, preempting would change the state and still schedule
@@ -667,7 +667,7 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
       }
       if (preempted_self) break;  // s was the tail: nothing after it
     }
-    if (static_cast<int32_t>(r.block_table.size()) != have) r.last_block = r.block_table.back();
+    if (have < needed) r.table_changed();  // it grew (a preempted self left above)
     add_decode_row<kSpec, kPow2>(b, s, n);
     s = links_[s].next;
   }
@@ -680,7 +680,7 @@ void Scheduler::release_kv(Request& r, bool keep_blocks) {
   if (!keep_blocks) {
     pool_.free(r.block_table);
     r.block_table.clear();
-    r.last_block = -1;
+    r.table_changed();
   }
   if (r.state_slot >= 0) pool_.release_state_slot(r.state_slot);
   r.state_slot = -1;
@@ -811,7 +811,7 @@ namespace {
   // Rewriting every row in full each step would cost rows x width writes (ATOM's
   // prepare_block_tables); a row that holds the same admission as last time in this buffer
   // only gets the blocks appended since. Tables only grow during one admission.
-  const int32_t size = static_cast<int32_t>(r.block_table.size());
+  const int32_t size = r.table_size;
   int32_t from = 0;
   if (same_owner) {
     from = b.row_filled[row];
@@ -826,7 +826,7 @@ namespace {
 
 [[gnu::always_inline]] inline void Scheduler::ship_new_blocks(Batch& b, int32_t row,
                                                              Request& r) {
-  const int32_t size = static_cast<int32_t>(r.block_table.size());
+  const int32_t size = r.table_size;
   const int32_t out = b.new_block_offsets[row];
   const int32_t shipped = r.blocks_shipped;
   b.slot_reset[row] = shipped == 0;
@@ -870,18 +870,20 @@ template <bool kPow2>
   // Positions and slots, walking the block table instead of dividing per token.
   int64_t* positions = b.positions.data() + first;
   int64_t* slots = b.slot_mapping.data() + first;
-  const int32_t* table = r.block_table.data();
-  int32_t block = block_in<kPow2>(start);
-  int32_t offset = start - block * bs;
-  const int32_t last = static_cast<int32_t>(r.block_table.size()) - 1;
-  int64_t base = int64_t{block == last ? r.last_block : table[block]} * bs;
+  const int32_t block = block_in<kPow2>(start);
+  const int32_t offset = start - block * bs;
+  // The row's first position is in its last block unless it crosses one (or is a prompt
+  // chunk): a steady row reads no block table, only the cached last block.
+  const bool in_last = block == r.table_size - 1;
+  const int64_t base = int64_t{in_last ? r.last_block : r.block_table[block]} * bs;
   if (num_tokens == 1) {  // a decode row without drafts: no loop (its setup costs more)
     positions[0] = start;
     slots[0] = base + offset;
   } else if (offset + num_tokens <= bs) {  // a decode row with drafts, within one block
     fill_positions_run(positions, slots, start, base + offset, num_tokens);
   } else {
-    fill_positions(positions, slots, start, num_tokens, table + block, offset, base, bs);
+    fill_positions(positions, slots, start, num_tokens, r.block_table.data() + block, offset, base,
+                   bs);
   }
   fill_block_table_row(b, row, r, same_owner);
   ship_new_blocks(b, row, r);

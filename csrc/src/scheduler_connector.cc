@@ -76,6 +76,7 @@ void Scheduler::update_from_kv_xfer_finished(std::span<const int64_t> finished_s
     if (r.awaiting_send || r.awaiting_recv) return;
     pool_.free(r.block_table);
     r.block_table.clear();
+    r.table_changed();
     deferred_.erase(r.id);
     release_slot_if_done(s);
   };
@@ -107,8 +108,7 @@ void Scheduler::start_remote_decode(int32_t slot) {
   take_device_slot(r);
   if (r.remote_first_token >= 0) {
     // The producer's first token becomes a real token, streamed with the first output.
-    r.tokens.push_back(r.remote_first_token);
-    r.last_token = r.remote_first_token;
+    r.append_token(r.remote_first_token);
     r.num_unstreamed = 1;
     // It may already end the request (EOS, max_tokens=1): the first decode's output then only
     // streams it and finishes, whatever the row sampled.

@@ -60,6 +60,12 @@ void Scheduler::check_invariants() const {
     check(r.num_inflight == inflight[s], who + "in-flight count disagrees with the batches");
     if (!r.in_use) continue;
     check(r.stop_length == final_length(r), who + "cached length limit is stale");
+    check(r.token_count == static_cast<int32_t>(r.tokens.size()) &&
+              r.last_token == (r.tokens.empty() ? -1 : r.tokens.back()),
+          who + "cached token count or last token is stale");
+    check(r.table_size == static_cast<int32_t>(r.block_table.size()) &&
+              r.last_block == (r.block_table.empty() ? -1 : r.block_table.back()),
+          who + "cached table size or last block is stale");
     if (r.status == RequestStatus::kFinished) {
       const bool held = r.awaiting_send || r.awaiting_recv;
       check(held || r.block_table.empty(), who + "finished but holds blocks");
@@ -76,7 +82,6 @@ void Scheduler::check_invariants() const {
     }
     ++live;
     check(slot_of(r.id) == static_cast<int32_t>(s), who + "id map disagrees");
-    check(r.last_token == r.tokens.back(), who + "cached last token is stale");
     check(r.num_tokens() >= r.num_prompt_tokens, who + "lost prompt tokens");
     if (r.status != RequestStatus::kRunning) {
       const bool remote = r.status == RequestStatus::kWaitingForRemoteKv;
@@ -96,7 +101,6 @@ void Scheduler::check_invariants() const {
               !device_slot_used[r.device_slot],
           who + "device slot missing or shared");
     device_slot_used[r.device_slot] = 1;
-    check(r.last_block == r.block_table.back(), who + "cached last block is stale");
     check(r.blocks_shipped <= static_cast<int32_t>(r.block_table.size()),
           who + "shipped more blocks than it holds");
     // Published blocks hold real tokens only, never drafts.

@@ -233,8 +233,7 @@ template <bool kSpec>
     const int32_t eos = r.ignore_eos ? -1 : config_.eos_token_id;
     while (kept < accepted && reason == FinishReason::kNone) {
       const int32_t tok = sampled[kept++];
-      r.tokens.push_back(tok);
-      r.last_token = tok;
+      r.append_token(tok);
       if (tok == eos && eos >= 0)
         reason = FinishReason::kEos;
       else if (r.num_tokens() >= r.stop_length)
@@ -242,8 +241,7 @@ template <bool kSpec>
     }
   } else {
     while (kept < accepted && reason == FinishReason::kNone) {
-      r.tokens.push_back(sampled[kept++]);
-      r.last_token = r.tokens.back();
+      r.append_token(sampled[kept++]);
       reason = stop_reason(r, stop_token);
     }
   }

@@ -48,29 +48,31 @@ TEST(RequestLayout, DecodeStepFieldsShareTheirCacheLines) {
     return p - base >= 64 * line && p + sizeof(field) - base <= 64 * (line + 1);
   };
 #define EXPECT_IN_LINE(field, line) EXPECT_TRUE(in_line(r.field, line)) << #field
+  // Line 0: all a steady decode row reads or writes in schedule().
   EXPECT_IN_LINE(status, 0);
-  EXPECT_IN_LINE(has_stop_lists, 0);
-  EXPECT_IN_LINE(ignore_eos, 0);
-  EXPECT_IN_LINE(wants_logprobs, 0);
   EXPECT_IN_LINE(num_computed_tokens, 0);
   EXPECT_IN_LINE(prefill_target, 0);
   EXPECT_IN_LINE(num_inflight, 0);
   EXPECT_IN_LINE(num_unstreamed, 0);
   EXPECT_IN_LINE(num_drafts, 0);
   EXPECT_IN_LINE(stop_length, 0);
-  EXPECT_IN_LINE(min_tokens, 0);
-  EXPECT_IN_LINE(num_prompt_tokens, 0);
+  EXPECT_IN_LINE(token_count, 0);
   EXPECT_IN_LINE(last_token, 0);
+  EXPECT_IN_LINE(table_size, 0);
   EXPECT_IN_LINE(last_block, 0);
   EXPECT_IN_LINE(blocks_shipped, 0);
+  EXPECT_IN_LINE(epoch, 0);
+  // update() reads these as well, then line 1.
+  EXPECT_IN_LINE(has_stop_lists, 0);
+  EXPECT_IN_LINE(ignore_eos, 0);
+  EXPECT_IN_LINE(wants_logprobs, 0);
   EXPECT_IN_LINE(blocks_published, 0);
   EXPECT_IN_LINE(prefix_hit_tokens, 0);
-  EXPECT_IN_LINE(epoch, 0);
   EXPECT_IN_LINE(id, 1);
   EXPECT_IN_LINE(tokens, 1);
   EXPECT_IN_LINE(block_table, 1);
-  EXPECT_IN_LINE(device_slot, 1);
-  EXPECT_IN_LINE(state_slot, 1);
+  EXPECT_IN_LINE(min_tokens, 1);
+  EXPECT_IN_LINE(num_prompt_tokens, 1);
 #undef EXPECT_IN_LINE
 }
 

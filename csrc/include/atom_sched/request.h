@@ -9,6 +9,7 @@
 //  * num_inflight: scheduled batches holding this request whose outputs have not arrived yet.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -29,7 +30,8 @@ struct alignas(64) Request {
   // requests these records outgrow the L2 and each line is a miss. The queue links live outside,
   // in Scheduler::links_, so walking the running list does not chain misses through records.
   //
-  // Line 0 (64 bytes): read or written by every decode row, in schedule() and in update().
+  // Line 0 (64 bytes): everything a steady decode row reads or writes in schedule() (which then
+  // touches no other line of the record), and the flags and counters update() needs besides.
   RequestStatus status = RequestStatus::kFinished;
   bool has_stop_lists = false;      // stop_token_ids or stop_sequences non-empty
   bool ignore_eos = false;
@@ -40,26 +42,30 @@ struct alignas(64) Request {
   int32_t num_unstreamed = 0;      // trailing tokens known but not streamed yet (an injected T0)
   int32_t num_drafts = 0;          // leading entries of `drafts` the drafter proposed (<= K)
   int32_t stop_length = 0;         // a length rule ends it once it holds this many tokens
-  int32_t min_tokens = 0;          // no EOS, stop token or sequence ends it before this many
-  int32_t num_prompt_tokens = 0;
-  // Copies of tokens.back() and block_table.back(): a decode row reads them instead of two more
-  // cache lines per request.
+  // Copies of tokens.size(), tokens.back(), block_table.size() and block_table.back(), so that
+  // a row reads neither vector: kept by append_token(), set_tokens() and table_changed(), and
+  // checked by Scheduler::check_invariants().
+  int32_t token_count = 0;
   int32_t last_token = -1;
+  int32_t table_size = 0;
   int32_t last_block = -1;
   int32_t blocks_shipped = 0;       // block-table entries already sent to the device slot
   int32_t blocks_published = 0;     // leading blocks the prefix cache knows (hits, published)
   int32_t prefix_hit_tokens = 0;    // cache-hit tokens at the last admission
   uint64_t epoch = 0;               // unique per admission (a new block table); 0: never admitted
 
-  // Line 1: the id (every output entry) and the two vectors every row reads the size of.
+  // Line 1: what update() needs besides: the id (every output entry), the tokens it appends to,
+  // the min_tokens rule's counts; and the block table, read when a row crosses a block.
   int64_t id = -1;
   std::vector<int32_t> tokens;        // R real tokens
   std::vector<int32_t> block_table;   // KV block ids
+  int32_t min_tokens = 0;          // no EOS, stop token or sequence ends it before this many
+  int32_t num_prompt_tokens = 0;
+
+  // Line 2: MTP drafts, and the columns a row copies when it changes owner.
+  std::vector<int32_t> drafts;        // K drafts proposed with the last output, -1 padded
   int32_t device_slot = -1;         // 0..max_num_seqs-1 while admitted
   int32_t state_slot = -1;
-
-  // Line 2: MTP drafts, and the sampling columns a row copies when it changes owner.
-  std::vector<int32_t> drafts;        // K drafts proposed with the last output, -1 padded
   float temperature = 1.0f;
   int32_t top_k = -1;
   float top_p = 1.0f;
@@ -88,7 +94,22 @@ struct alignas(64) Request {
   int32_t pending_stop_token = -1;
   std::vector<int32_t> remote_drafts;   // the producer's drafts, likewise
 
-  [[nodiscard]] int32_t num_tokens() const noexcept { return static_cast<int32_t>(tokens.size()); }
+  [[nodiscard]] int32_t num_tokens() const noexcept { return token_count; }
+  void set_tokens(const int32_t* first, size_t n) {
+    tokens.assign(first, first + n);
+    token_count = static_cast<int32_t>(n);
+    last_token = n > 0 ? tokens.back() : -1;
+  }
+  void append_token(int32_t t) {
+    tokens.push_back(t);
+    ++token_count;
+    last_token = t;
+  }
+  /// Brings table_size and last_block up to date: call after every change to block_table.
+  void table_changed() noexcept {
+    table_size = static_cast<int32_t>(block_table.size());
+    last_block = table_size > 0 ? block_table.back() : -1;
+  }
   [[nodiscard]] int32_t num_generated() const noexcept { return num_tokens() - num_prompt_tokens; }
   [[nodiscard]] bool is_partial_prefill() const noexcept {
     return status == RequestStatus::kRunning && num_computed_tokens < prefill_target;
