@@ -667,7 +667,7 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
       }
       if (preempted_self) break;  // s was the tail: nothing after it
     }
-    if (have < needed) r.table_changed();  // it grew (a preempted self left above)
+    if (have < needed) r.table_changed();  // it grew (had it preempted itself, the loop left)
     add_decode_row<kSpec, kPow2>(b, s, n);
     s = links_[s].next;
   }

@@ -232,22 +232,16 @@ class Scheduler {
   /// position_limit_, 0 (no row) when none is left or its outputs in flight will end it.
   template <bool kSpec>
   [[nodiscard]] int32_t decode_row_tokens(const Request& r) const;
-  /// The block holding position `pos` (>= 0), and the blocks `n` positions need. block_in() and
-  /// blocks_in() are the same with the block size's kind fixed at compile time (kPow2:
-  /// block_shift_ >= 0, a shift; else a division), for the loops compiled per kind.
+  /// The block holding position `pos` (>= 0), and the blocks `n` positions need, with the block
+  /// size's kind fixed at compile time (kPow2: block_shift_ >= 0, a shift; else a division) for
+  /// the loops compiled per kind.
   template <bool kPow2>
   [[nodiscard]] int32_t block_in(int32_t pos) const noexcept {
     return kPow2 ? pos >> block_shift_ : pos / config_.block_size;
   }
-  [[nodiscard]] int32_t block_of(int32_t pos) const noexcept {
-    return block_shift_ >= 0 ? block_in<true>(pos) : block_in<false>(pos);
-  }
   template <bool kPow2>
   [[nodiscard]] int32_t blocks_in(int32_t n) const noexcept {
     return block_in<kPow2>(n + config_.block_size - 1);
-  }
-  [[nodiscard]] int32_t blocks_for(int32_t n) const noexcept {
-    return block_shift_ >= 0 ? blocks_in<true>(n) : blocks_in<false>(n);
   }
   /// The token count at which a length rule (max_tokens, max_model_len, kv_capacity) ends it.
   [[nodiscard]] int32_t final_length(const Request& r) const;
@@ -307,7 +301,7 @@ class Scheduler {
   int32_t pool_positions_;
   int32_t position_limit_;
   // log2(block_size) when it is a power of two (16..128 in practice), else -1: the step path
-  // divides positions by the block size with a shift (block_of()).
+  // divides positions by the block size with a shift (block_in()).
   int32_t block_shift_;
   bool cache_decode_blocks_;  // config: decode-block caching, and prefix caching is on
   BlockPool pool_;
