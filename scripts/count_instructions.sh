@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Instructions of the core's step path, counted by callgrind (machine-independent, unlike the
-# timings): per decode row at several sizes and K, and for the admission workload.
+# timings): per decode row at several sizes and K, and for the admission workload; and the bytes
+# a decode row moves from beyond a 1 MB cache (callgrind's cache simulator: a 32 KB L1 and a 1 MB
+# last level, this machine's L2), at 16,384 running where the records outgrow it.
 #   usage: bash scripts/count_instructions.sh [path/to/atom_sched_count]
 # Needs valgrind, and the counter built with the C++ benchmarks (make build-cpp).
 set -euo pipefail
@@ -20,6 +22,11 @@ for args in "1024 0" "4096 0" "16384 0" "256 3" "1024 3"; do
   rows=$(grep -oP 'rows \K[0-9]+' "$out/stdout")
   echo "decode, $1 running, K=$2: $((ir / rows)) instructions per row"
 done
+valgrind --tool=callgrind --instr-atstart=no --cache-sim=yes --D1=32768,8,64 --LL=1048576,16,64 \
+  --callgrind-out-file="$out/cg" "$bin" decode 16384 0 32 >"$out/stdout" 2>"$out/stderr"
+misses=$(grep -oP 'LL misses: +\K[0-9,]+' "$out/stderr" | tr -d ,)
+rows=$(grep -oP 'rows \K[0-9]+' "$out/stdout")
+echo "decode, 16384 running, K=0: $((misses * 64 / rows)) bytes per row from beyond a 1 MB cache"
 ir=$(count admission)
 tokens=$(grep -oP 'tokens \K[0-9]+' "$out/stdout")
 echo "admission, 256 x 1,024-token prompts: $ir instructions ($(awk "BEGIN{printf \"%.1f\", $ir/$tokens}") per computed token)"
