@@ -671,6 +671,9 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
     add_decode_row<kSpec, kPow2>(b, s, n);
     s = links_[s].next;
   }
+  // Every decode row emits a token: the kind columns in one pass, not a store each per row.
+  std::fill(b.row_is_prefill.begin() + first_row, b.row_is_prefill.begin() + b.num_rows, 0);
+  std::fill(b.emits_token.begin() + first_row, b.emits_token.begin() + b.num_rows, 1);
   return b.num_rows - first_row;
 }
 
@@ -730,6 +733,10 @@ const Batch* Scheduler::schedule(double now, bool allow_prefill) {
     b.set_header(kept);
     return nullptr;
   }
+  if (block_shift_ >= 0)
+    derive_row_columns<true>(b);
+  else
+    derive_row_columns<false>(b);
   b.id = next_batch_id_++;
   b.is_prefill = decode_rows == 0;
   b.num_spec_tokens = decode_rows > 0 ? k_ : 0;
@@ -843,7 +850,6 @@ template <bool kPow2>
   const int32_t row = b.num_rows;
   const int32_t first = b.num_tokens;
   const int32_t start = r.num_computed_tokens;
-  const int32_t end = start + num_tokens;
   const int32_t bs = config_.block_size;
   // A row of this buffer that held the same admission two steps ago (steady-state decode keeps
   // the running order) already has the request's constant columns.
@@ -859,14 +865,10 @@ template <bool kPow2>
     b.seeds[row] = r.seed;
     b.state_slots[row] = r.state_slot;
   }
+  // Only what the request gives: the columns that follow from these two are derived for all
+  // rows at once (derive_row_columns()).
   b.num_scheduled_tokens[row] = num_tokens;
   b.num_cached_tokens[row] = start;
-  b.context_lens[row] = end;
-  b.last_block_num_tokens[row] = end - block_in<kPow2>(end - 1) * bs;
-  b.cu_seqlens_q[row + 1] = b.cu_seqlens_q[row] + num_tokens;
-  b.cu_seqlens_k[row + 1] = b.cu_seqlens_k[row] + end;
-  b.max_seqlen_q = std::max(b.max_seqlen_q, num_tokens);
-  b.max_seqlen_k = std::max(b.max_seqlen_k, end);
   // Positions and slots, walking the block table instead of dividing per token.
   int64_t* positions = b.positions.data() + first;
   int64_t* slots = b.slot_mapping.data() + first;
@@ -890,6 +892,36 @@ template <bool kPow2>
   b.row_exact[row] = r.num_inflight == 0;
   b.num_rows = row + 1;
   return row;
+}
+
+template <bool kPow2>
+void Scheduler::derive_row_columns(Batch& b) const {
+  const int32_t rows = b.num_rows;
+  const int32_t* __restrict cached = b.num_cached_tokens.data();
+  const int32_t* __restrict scheduled = b.num_scheduled_tokens.data();
+  int32_t* __restrict context = b.context_lens.data();
+  int32_t* __restrict last_fill = b.last_block_num_tokens.data();
+  const int32_t bs = config_.block_size;
+  int32_t max_q = 0, max_k = 0;
+  for (int32_t i = 0; i < rows; ++i) {  // vectorised
+    const int32_t end = cached[i] + scheduled[i];  // >= 1: a row schedules a token at least
+    context[i] = end;
+    // The tokens in the block holding position end - 1.
+    last_fill[i] = kPow2 ? ((end - 1) & (bs - 1)) + 1 : end - (end - 1) / bs * bs;
+    max_q = std::max(max_q, scheduled[i]);
+    max_k = std::max(max_k, end);
+  }
+  b.max_seqlen_q = max_q;
+  b.max_seqlen_k = max_k;
+  int32_t* __restrict cu_q = b.cu_seqlens_q.data();
+  int32_t* __restrict cu_k = b.cu_seqlens_k.data();
+  int32_t sum_q = 0, sum_k = 0;
+  for (int32_t i = 0; i < rows; ++i) {  // prefix sums: sequential
+    sum_q += scheduled[i];
+    sum_k += context[i];
+    cu_q[i + 1] = sum_q;
+    cu_k[i + 1] = sum_k;
+  }
 }
 
 void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
@@ -932,8 +964,6 @@ template <bool kSpec, bool kPow2>
     for (int32_t j = n - 1; j < k_; ++j) drafts[j] = -1;
   }
   b.num_tokens += n;
-  b.row_is_prefill[row] = 0;
-  b.emits_token[row] = 1;
   r.num_computed_tokens += n;  // upper bound until the accepted count arrives
   ++r.num_inflight;
 }

@@ -141,8 +141,8 @@ FinishReason Scheduler::length_stop(const Request& r) const {
   return FinishReason::kNone;
 }
 
-// The stop rule. apply_row_output() inlines its case without stop lists past min_tokens (EOS,
-// then the length limit): a change here changes that loop too.
+// The stop rule. stop_after_append() inlines its case without stop lists (EOS past min_tokens,
+// then the length limit): a change here changes that one too.
 FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const {
   const int32_t tok = r.tokens.back();
   const int32_t generated = r.num_generated();
@@ -165,6 +165,70 @@ FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const
     }
   }
   return length_stop(r);
+}
+
+[[gnu::always_inline]] inline FinishReason Scheduler::stop_after_append(
+    const Request& r, int32_t& stop_token) const {
+  if (r.has_stop_lists) return stop_reason(r, stop_token);
+  // stop_reason() without stop lists: EOS once past min_tokens, then the length rules, whose
+  // earliest limit is cached (stop_length).
+  if (r.last_token == config_.eos_token_id && !r.ignore_eos && r.num_generated() >= r.min_tokens)
+    return FinishReason::kEos;
+  return r.num_tokens() < r.stop_length ? FinishReason::kNone : length_stop(r);
+}
+
+void Scheduler::finish_entry(int32_t entry, int32_t slot, FinishReason reason,
+                             int32_t stop_token) {
+  StepOutput& so = step_output_;
+  const Request& r = requests_[slot];
+  so.finished_entries.push_back(entry);
+  so.finished_tokens.insert(so.finished_tokens.end(), r.tokens.begin(), r.tokens.end());
+  so.finished_offsets.push_back(static_cast<int32_t>(so.finished_tokens.size()));
+  finish(slot, reason, stop_token);
+}
+
+[[gnu::always_inline]] inline void Scheduler::publish_decode_blocks(Request& r) {
+  // Every position but the last token's now holds verified KV (the row's input was the last
+  // token and the drafts now accepted); the blocks it fills are published before a finish frees
+  // them, so a follow-up turn finds them.
+  if (cache_decode_blocks_ && r.num_tokens() > (r.blocks_published + 1) * config_.block_size)
+    publish_blocks(r, (r.num_tokens() - 1) / config_.block_size);
+}
+
+int32_t Scheduler::apply_plain_decode_rows(const Batch& b, const ModelOutputs& out) {
+  const int32_t rows = b.num_rows;
+  const int32_t* __restrict slots = b.request_index.data();
+  const uint8_t* __restrict prefill = b.row_is_prefill.data();
+  const int32_t* __restrict sampled = out.sampled_token_ids.data();
+  StepOutput& so = step_output_;
+  FinishReason* __restrict reasons = so.finish_reasons.data();
+  int32_t* __restrict stop_tokens = so.stop_tokens.data();
+  int32_t* __restrict prefix_hits = so.prefix_hit_tokens.data();
+  uint8_t* __restrict wants = so.wants_logprobs.data();
+  int32_t row = 0;
+  for (; row < rows; ++row) {
+    const int32_t slot = slots[row];
+    Request& r = requests_[slot];
+    // Finished or preempted meanwhile, a token to stream besides (num_unstreamed), or a prompt
+    // chunk: apply_row_output() from here on.
+    if (r.status != RequestStatus::kRunning || r.num_unstreamed > 0 || prefill[row]) break;
+    --r.num_inflight;
+    r.append_token(sampled[row]);
+    int32_t stop_token = -1;
+    const FinishReason reason = stop_after_append(r, stop_token);
+    publish_decode_blocks(r);
+    reasons[row] = reason;
+    stop_tokens[row] = stop_token;
+    prefix_hits[row] = r.prefix_hit_tokens;
+    wants[row] = r.wants_logprobs;
+    if (reason != FinishReason::kNone) finish_entry(row, slot, reason, stop_token);
+  }
+  // One entry and one token a row: the ids, tokens and offsets in passes over the batch.
+  std::copy_n(b.req_ids.data(), row, so.req_ids.data());
+  std::copy_n(sampled, row, so.new_tokens.data());
+  int32_t* __restrict offsets = so.token_offsets.data();
+  for (int32_t i = 1; i <= row; ++i) offsets[i] = i;
+  return row;
 }
 
 template <bool kSpec>
@@ -227,30 +291,11 @@ template <bool kSpec>
   FinishReason reason = injected ? r.pending_stop : FinishReason::kNone;
   int32_t stop_token = injected ? r.pending_stop_token : -1;
   int32_t kept = 0;
-  if (!r.has_stop_lists && r.num_generated() >= r.min_tokens) {
-    // stop_reason() without stop lists, past min_tokens (the common case): EOS, then the one
-    // cached length limit.
-    const int32_t eos = r.ignore_eos ? -1 : config_.eos_token_id;
-    while (kept < accepted && reason == FinishReason::kNone) {
-      const int32_t tok = sampled[kept++];
-      r.append_token(tok);
-      if (tok == eos && eos >= 0)
-        reason = FinishReason::kEos;
-      else if (r.num_tokens() >= r.stop_length)
-        reason = length_stop(r);
-    }
-  } else {
-    while (kept < accepted && reason == FinishReason::kNone) {
-      r.append_token(sampled[kept++]);
-      reason = stop_reason(r, stop_token);
-    }
+  while (kept < accepted && reason == FinishReason::kNone) {
+    r.append_token(sampled[kept++]);
+    reason = stop_after_append(r, stop_token);
   }
-  // Decode-block caching: every position but the last token's now holds verified KV (the row's
-  // input was the last token and the drafts now accepted); the blocks it fills are published
-  // before a finish frees them, so a follow-up turn finds them.
-  if (!prefill_row && running && cache_decode_blocks_ &&
-      r.num_tokens() > (r.blocks_published + 1) * config_.block_size)
-    publish_blocks(r, (r.num_tokens() - 1) / config_.block_size);
+  if (!prefill_row && running) publish_decode_blocks(r);
   // Entries are written by index into arrays update() sized for the worst case.
   StepOutput& so = step_output_;
   const int32_t e = cursor.entries++;
@@ -277,12 +322,7 @@ template <bool kSpec>
   so.stop_tokens[e] = stop_token;
   so.prefix_hit_tokens[e] = r.prefix_hit_tokens;
   so.wants_logprobs[e] = r.wants_logprobs;
-  if (reason != FinishReason::kNone) {
-    so.finished_entries.push_back(e);
-    so.finished_tokens.insert(so.finished_tokens.end(), r.tokens.begin(), r.tokens.end());
-    so.finished_offsets.push_back(static_cast<int32_t>(so.finished_tokens.size()));
-    finish(slot, reason, stop_token);
-  }
+  if (reason != FinishReason::kNone) finish_entry(e, slot, reason, stop_token);
 }
 
 const StepOutput& Scheduler::update(uint64_t batch_id, const ModelOutputs& out) {
@@ -318,12 +358,15 @@ const StepOutput& Scheduler::update(uint64_t batch_id, const ModelOutputs& out) 
   OutputCursor cursor;
   const int32_t width =
       b.num_rows > 0 ? static_cast<int32_t>(out.sampled_token_ids.size()) / b.num_rows : 1;
-  // Compiled per kind of step (as schedule_decode_rows()): no draft logic when K = 0.
+  // Compiled per kind of step (as schedule_decode_rows()): no draft logic when K = 0, and the
+  // plain rows of a K = 0 step without log-probabilities first, in passes.
   if (k_ > 0) {
     for (int32_t row = 0; row < b.num_rows; ++row)
       apply_row_output<true>(b, row, out, width, cursor);
   } else {
-    for (int32_t row = 0; row < b.num_rows; ++row)
+    const int32_t plain = out.logprobs.empty() ? apply_plain_decode_rows(b, out) : 0;
+    cursor = {plain, plain};
+    for (int32_t row = plain; row < b.num_rows; ++row)
       apply_row_output<false>(b, row, out, width, cursor);
   }
   so.req_ids.resize(cursor.entries);

@@ -265,6 +265,11 @@ class Scheduler {
   // Batch assembly.
   void begin_batch(Batch& b);
   void add_prefill_row(Batch& b, int32_t slot, int32_t chunk);
+  /// The columns that follow from each row's cached and scheduled token counts (context_lens,
+  /// last_block_num_tokens, cu_seqlens_q/k, max_seqlen_q/k), for every row at once: the row
+  /// helpers write only what a request gives, and these passes vectorise.
+  template <bool kPow2>
+  void derive_row_columns(Batch& b) const;
   template <bool kSpec, bool kPow2>
   void add_decode_row(Batch& b, int32_t slot, int32_t num_tokens);
   template <bool kPow2>
@@ -287,8 +292,19 @@ class Scheduler {
   template <bool kSpec>
   void apply_row_output(const Batch& b, int32_t row, const ModelOutputs& out, int32_t width,
                         OutputCursor& cursor);
+  /// The plain rows of a K = 0 decode step without log-probabilities, from the first: each
+  /// appends one token and makes one entry, so the entry columns the requests do not decide are
+  /// written in passes. Returns the rows applied: it stops before the first that needs
+  /// apply_row_output() (not running, a token to stream besides, or a prompt chunk).
+  int32_t apply_plain_decode_rows(const Batch& b, const ModelOutputs& out);
+  /// Records step_output_ entry `entry`'s finish (its whole sequence) and finishes the request.
+  void finish_entry(int32_t entry, int32_t slot, FinishReason reason, int32_t stop_token);
+  /// Decode-block caching: publishes the blocks a decode row's verified KV completed.
+  void publish_decode_blocks(Request& r);
   /// The stop condition met by the request's last token, or kNone.
   [[nodiscard]] FinishReason stop_reason(const Request& r, int32_t& stop_token) const;
+  /// stop_reason() for the token just appended, its common case (no stop lists) inline.
+  [[nodiscard]] FinishReason stop_after_append(const Request& r, int32_t& stop_token) const;
   /// The length rules alone, in their order: max_tokens, max_model_len, kv_capacity.
   [[nodiscard]] FinishReason length_stop(const Request& r) const;
 
