@@ -310,8 +310,10 @@ class NixlConsumer(ConsumerBase):
                 "READ", self._local, desc_ids(rec.local_blocks, a.regions, a.num_blocks),
                 peer.handle, desc_ids(rec.remote_blocks, a.regions, peer.num_blocks),
                 notif_msg=rec.params.transfer_id.encode())
-            a.agent.transfer(rec.handle)
+            # Logged as it is posted: the producer may serve it (and log that) before transfer()
+            # returns here.
             self._log("read", rid, {"blocks": len(rec.remote_blocks)})
+            a.agent.transfer(rec.handle)
         except Exception as e:  # noqa: BLE001 - a dead or misbehaving producer
             self._read_failed(rid, rec, f"NIXL READ from {rec.endpoint}: {str(e)[:160]}", failed)
 
