@@ -632,6 +632,12 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
   for (int32_t s = running_.head; s >= 0;) {
     if (b.num_rows >= config_.max_num_seqs) break;
     Request& r = requests_[s];
+    if constexpr (!kSpec) {
+      if (b.num_tokens < config_.max_num_batched_tokens && add_steady_decode_row<kPow2>(b, r)) {
+        s = links_[s].next;
+        continue;
+      }
+    }
     if (r.is_partial_prefill()) {  // never decode a half-prefilled prompt (8.3)
       s = links_[s].next;
       continue;
@@ -831,17 +837,19 @@ namespace {
   b.row_filled[row] = size;
 }
 
-[[gnu::always_inline]] inline void Scheduler::ship_new_blocks(Batch& b, int32_t row,
+[[gnu::always_inline]] inline bool Scheduler::ship_new_blocks(Batch& b, int32_t row,
                                                              Request& r) {
   const int32_t size = r.table_size;
   const int32_t out = b.new_block_offsets[row];
   const int32_t shipped = r.blocks_shipped;
-  b.slot_reset[row] = shipped == 0;
   b.new_block_starts[row] = shipped;
   b.new_block_offsets[row + 1] = out + size - shipped;
-  if (shipped == size) return;  // the common decode step: no block crossed
-  std::copy(r.block_table.begin() + shipped, r.block_table.end(), b.new_block_ids.begin() + out);
-  r.blocks_shipped = size;
+  if (shipped != size) {  // not the common decode step: blocks to ship
+    std::copy(r.block_table.begin() + shipped, r.block_table.end(),
+              b.new_block_ids.begin() + out);
+    r.blocks_shipped = size;
+  }
+  return shipped == 0;
 }
 
 template <bool kPow2>
@@ -873,11 +881,12 @@ template <bool kPow2>
   int64_t* positions = b.positions.data() + first;
   int64_t* slots = b.slot_mapping.data() + first;
   const int32_t block = block_in<kPow2>(start);
-  const int32_t offset = start - block * bs;
+  const int32_t offset = kPow2 ? start & (bs - 1) : start - block * bs;
   // The row's first position is in its last block unless it crosses one (or is a prompt
   // chunk): a steady row reads no block table, only the cached last block.
   const bool in_last = block == r.table_size - 1;
-  const int64_t base = int64_t{in_last ? r.last_block : r.block_table[block]} * bs;
+  const int64_t block_id = in_last ? r.last_block : r.block_table[block];
+  const int64_t base = kPow2 ? block_id << block_shift_ : block_id * bs;
   if (num_tokens == 1) {  // a decode row without drafts: no loop (its setup costs more)
     positions[0] = start;
     slots[0] = base + offset;
@@ -888,7 +897,10 @@ template <bool kPow2>
                    bs);
   }
   fill_block_table_row(b, row, r, same_owner);
-  ship_new_blocks(b, row, r);
+  const bool reset = ship_new_blocks(b, row, r);
+  // The byte columns last: a byte store may alias anything, so the compiler reloads what it
+  // reads after one.
+  b.slot_reset[row] = reset;
   b.row_exact[row] = r.num_inflight == 0;
   b.num_rows = row + 1;
   return row;
@@ -939,6 +951,41 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   // A prefill row has no drafts: in a mixed batch its spec_draft_tokens read -1.
   std::fill_n(b.spec_draft_tokens.data() + static_cast<size_t>(row) * k_, k_, -1);
   ++r.num_inflight;
+}
+
+template <bool kPow2>
+[[gnu::always_inline]] inline bool Scheduler::add_steady_decode_row(Batch& b, Request& r) {
+  const int32_t row = b.num_rows;
+  const int32_t start = r.num_computed_tokens;
+  const int32_t size = r.table_size;
+  // Running (every request on the running list is), its prompt all scheduled, synchronous
+  // (nothing in flight or to stream: the input is its last token), below the position limit,
+  // position `start` in the last block it holds (no KV to reserve); and this buffer's row held
+  // the same admission, with its block table filled and every block shipped.
+  const bool steady = start >= r.prefill_target && (r.num_inflight | r.num_unstreamed) == 0 &&
+                      start < position_limit_ && start == r.token_count - 1 &&
+                      block_in<kPow2>(start) == size - 1 && r.blocks_shipped == size &&
+                      b.row_owner[row] == r.epoch && b.row_filled[row] == size;
+  if (!steady) return false;
+  // What begin_row() and add_decode_row() write for such a row; its other columns hold.
+  const int32_t t = b.num_tokens;
+  const int32_t bs = config_.block_size;
+  const int32_t offset = kPow2 ? start & (bs - 1) : start % bs;
+  const int64_t base = kPow2 ? int64_t{r.last_block} << block_shift_ : int64_t{r.last_block} * bs;
+  b.num_scheduled_tokens[row] = 1;
+  b.num_cached_tokens[row] = start;
+  b.positions[t] = start;
+  b.slot_mapping[t] = base + offset;
+  b.scheduled_tokens[t] = r.last_token;
+  b.new_block_starts[row] = size;
+  b.new_block_offsets[row + 1] = b.new_block_offsets[row];
+  b.slot_reset[row] = 0;
+  b.row_exact[row] = 1;
+  b.num_rows = row + 1;
+  b.num_tokens = t + 1;
+  r.num_computed_tokens = start + 1;
+  r.num_inflight = 1;
+  return true;
 }
 
 template <bool kSpec, bool kPow2>

@@ -272,9 +272,15 @@ class Scheduler {
   void derive_row_columns(Batch& b) const;
   template <bool kSpec, bool kPow2>
   void add_decode_row(Batch& b, int32_t slot, int32_t num_tokens);
+  /// A K = 0 decode row in the steady state (synchronous, no block to reserve or ship, this
+  /// buffer's row held the same admission) changes only its counts, position, slot and input
+  /// token: writes those and returns true; false (nothing written) for any other row.
+  template <bool kPow2>
+  bool add_steady_decode_row(Batch& b, Request& r);
   template <bool kPow2>
   int32_t begin_row(Batch& b, Request& r, int32_t slot, int32_t num_tokens);
-  void ship_new_blocks(Batch& b, int32_t row, Request& r);
+  /// Ships the request's new blocks to its device slot; true when the slot starts afresh.
+  bool ship_new_blocks(Batch& b, int32_t row, Request& r);
   void fill_block_table_row(Batch& b, int32_t row, const Request& r, bool same_owner);
   void track_partial(int32_t slot);    // a running request whose prefill is not all scheduled
   void untrack_partial(int32_t slot);  // its prompt is fully scheduled, or it left running
