@@ -630,14 +630,12 @@ template <bool kSpec, bool kPow2>
 int32_t Scheduler::schedule_decode_rows(Batch& b) {
   const int32_t first_row = b.num_rows;
   for (int32_t s = running_.head; s >= 0;) {
+    if constexpr (!kSpec) {
+      s = add_steady_decode_rows<kPow2>(b, s);  // the run of steady rows from here, if any
+      if (s < 0) break;
+    }
     if (b.num_rows >= config_.max_num_seqs) break;
     Request& r = requests_[s];
-    if constexpr (!kSpec) {
-      if (b.num_tokens < config_.max_num_batched_tokens && add_steady_decode_row<kPow2>(b, r)) {
-        s = links_[s].next;
-        continue;
-      }
-    }
     if (r.is_partial_prefill()) {  // never decode a half-prefilled prompt (8.3)
       s = links_[s].next;
       continue;
@@ -954,38 +952,64 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
 }
 
 template <bool kPow2>
-[[gnu::always_inline]] inline bool Scheduler::add_steady_decode_row(Batch& b, Request& r) {
-  const int32_t row = b.num_rows;
-  const int32_t start = r.num_computed_tokens;
-  const int32_t size = r.table_size;
-  // Running (every request on the running list is), its prompt all scheduled, synchronous
-  // (nothing in flight or to stream: the input is its last token), below the position limit,
-  // position `start` in the last block it holds (no KV to reserve); and this buffer's row held
-  // the same admission, with its block table filled and every block shipped.
-  const bool steady = start >= r.prefill_target && (r.num_inflight | r.num_unstreamed) == 0 &&
-                      start < position_limit_ && start == r.token_count - 1 &&
-                      block_in<kPow2>(start) == size - 1 && r.blocks_shipped == size &&
-                      b.row_owner[row] == r.epoch && b.row_filled[row] == size;
-  if (!steady) return false;
-  // What begin_row() and add_decode_row() write for such a row; its other columns hold.
-  const int32_t t = b.num_tokens;
+int32_t Scheduler::add_steady_decode_rows(Batch& b, int32_t s) {
+  // A tight loop: the columns and limits in locals (no byte store inside, so nothing is
+  // reloaded), the byte columns and the batch's counts written at the end.
+  const int32_t max_rows = config_.max_num_seqs;
+  const int32_t max_tokens = config_.max_num_batched_tokens;
+  const int32_t limit = position_limit_;
   const int32_t bs = config_.block_size;
-  const int32_t offset = kPow2 ? start & (bs - 1) : start % bs;
-  const int64_t base = kPow2 ? int64_t{r.last_block} << block_shift_ : int64_t{r.last_block} * bs;
-  b.num_scheduled_tokens[row] = 1;
-  b.num_cached_tokens[row] = start;
-  b.positions[t] = start;
-  b.slot_mapping[t] = base + offset;
-  b.scheduled_tokens[t] = r.last_token;
-  b.new_block_starts[row] = size;
-  b.new_block_offsets[row + 1] = b.new_block_offsets[row];
-  b.slot_reset[row] = 0;
-  b.row_exact[row] = 1;
-  b.num_rows = row + 1;
-  b.num_tokens = t + 1;
-  r.num_computed_tokens = start + 1;
-  r.num_inflight = 1;
-  return true;
+  const int32_t shift = block_shift_;
+  const Link* __restrict links = links_.data();
+  Request* __restrict requests = requests_.data();
+  const uint64_t* __restrict owners = b.row_owner.data();
+  const int32_t* __restrict filled = b.row_filled.data();
+  int32_t* __restrict scheduled = b.num_scheduled_tokens.data();
+  int32_t* __restrict cached = b.num_cached_tokens.data();
+  int32_t* __restrict tokens = b.scheduled_tokens.data();
+  int64_t* __restrict positions = b.positions.data();
+  int64_t* __restrict slots = b.slot_mapping.data();
+  int32_t* __restrict block_starts = b.new_block_starts.data();
+  int32_t* __restrict block_offsets = b.new_block_offsets.data();
+  const int32_t first_row = b.num_rows;
+  const int32_t shipped_before = block_offsets[first_row];  // no row of the run ships a block
+  int32_t row = first_row;
+  int32_t t = b.num_tokens;
+  for (; s >= 0 && row < max_rows && t < max_tokens; s = links[s].next) {
+    Request& r = requests[s];
+    const int32_t start = r.num_computed_tokens;
+    const int32_t size = r.table_size;
+    // Its prompt all scheduled, synchronous (nothing in flight or to stream: the input is its
+    // last token), below the position limit, position `start` in the last block it holds (no
+    // KV to reserve); and this buffer's row held the same admission, with its block table
+    // filled and every block shipped. (Every request on the running list is running.)
+    const int32_t block = kPow2 ? start >> shift : start / bs;
+    const bool steady = start >= r.prefill_target && (r.num_inflight | r.num_unstreamed) == 0 &&
+                        start < limit && start == r.token_count - 1 && block == size - 1 &&
+                        r.blocks_shipped == size && owners[row] == r.epoch &&
+                        filled[row] == size;
+    if (!steady) break;
+    // What begin_row() and add_decode_row() write for such a row; its other columns hold.
+    const int32_t offset = kPow2 ? start & (bs - 1) : start - block * bs;
+    const int64_t base = kPow2 ? int64_t{r.last_block} << shift : int64_t{r.last_block} * bs;
+    scheduled[row] = 1;
+    cached[row] = start;
+    block_starts[row] = size;
+    block_offsets[row + 1] = shipped_before;
+    positions[t] = start;
+    slots[t] = base + offset;
+    tokens[t] = r.last_token;
+    r.num_computed_tokens = start + 1;
+    r.num_inflight = 1;
+    ++row;
+    ++t;
+  }
+  // Its byte columns after the loop: no slot starts afresh, every row is exact.
+  std::fill(b.slot_reset.begin() + first_row, b.slot_reset.begin() + row, 0);
+  std::fill(b.row_exact.begin() + first_row, b.row_exact.begin() + row, 1);
+  b.num_rows = row;
+  b.num_tokens = t;
+  return s;
 }
 
 template <bool kSpec, bool kPow2>

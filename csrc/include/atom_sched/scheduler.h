@@ -272,11 +272,12 @@ class Scheduler {
   void derive_row_columns(Batch& b) const;
   template <bool kSpec, bool kPow2>
   void add_decode_row(Batch& b, int32_t slot, int32_t num_tokens);
-  /// A K = 0 decode row in the steady state (synchronous, no block to reserve or ship, this
-  /// buffer's row held the same admission) changes only its counts, position, slot and input
-  /// token: writes those and returns true; false (nothing written) for any other row.
+  /// K = 0 decode rows in the steady state (synchronous, no block to reserve or ship, this
+  /// buffer's row held the same admission) change only their counts, positions, slots and input
+  /// tokens: adds the run of such rows from running request `s` (within the row and token
+  /// budgets) writing only those, and returns the request that ended the run (-1: the list did).
   template <bool kPow2>
-  bool add_steady_decode_row(Batch& b, Request& r);
+  int32_t add_steady_decode_rows(Batch& b, int32_t s);
   template <bool kPow2>
   int32_t begin_row(Batch& b, Request& r, int32_t slot, int32_t num_tokens);
   /// Ships the request's new blocks to its device slot; true when the slot starts afresh.
