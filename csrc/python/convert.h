@@ -5,6 +5,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <array>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -25,7 +26,10 @@ class Int32Input {
   [[nodiscard]] py::ssize_t dim(int i) const { return shape_[i]; }
 
  private:
-  std::vector<int32_t> copy_;  // the caller's values, copied before anything reads them
+  // The caller's values, copied before anything reads them: in small_ when they fit (a decode
+  // step's outputs for a few rows), else in copy_.
+  std::array<int32_t, 64> small_;
+  std::vector<int32_t> copy_;
   const int32_t* data_ = nullptr;
   size_t size_ = 0;
   int ndim_ = 0;

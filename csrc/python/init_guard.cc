@@ -8,7 +8,8 @@
 // "__init__ must be called" check.
 #include <pybind11/pybind11.h>
 
-#include <unordered_map>
+#include <cstdint>
+#include <stdexcept>
 
 #include "bindings.h"
 
@@ -31,16 +32,43 @@ struct Slots {
   hashfunc hash;
 };
 
-std::unordered_map<PyTypeObject*, Slots>& originals() {
-  static auto* m = new std::unordered_map<PyTypeObject*, Slots>();  // lives as long as the module
-  return *m;
+// The original slots by bound type, in a small open-addressed table: every attribute lookup on
+// every bound object passes through a wrapper here, so finding its type's slots must cost a few
+// instructions (a std::unordered_map lookup hashed with a division). Written at module import,
+// read under the GIL.
+class SlotTable {
+ public:
+  [[nodiscard]] const Slots* find(PyTypeObject* t) const {
+    for (size_t i = index(t);; i = (i + 1) % kCapacity) {
+      if (keys_[i] == t) return &slots_[i];
+      if (keys_[i] == nullptr) return nullptr;
+    }
+  }
+  void insert(PyTypeObject* t, const Slots& s) {
+    if (++size_ >= kCapacity) throw std::runtime_error("init_guard: too many bound types");
+    size_t i = index(t);
+    while (keys_[i] != nullptr) i = (i + 1) % kCapacity;
+    keys_[i] = t;
+    slots_[i] = s;
+  }
+
+ private:
+  static constexpr size_t kCapacity = 128;  // a power of two, far above the module's types
+  static size_t index(PyTypeObject* t) {
+    return (reinterpret_cast<uintptr_t>(t) >> 4) % kCapacity;
+  }
+  PyTypeObject* keys_[kCapacity] = {};
+  Slots slots_[kCapacity] = {};
+  size_t size_ = 0;
+};
+
+SlotTable& originals() {
+  static auto* table = new SlotTable();  // lives as long as the module
+  return *table;
 }
 
 // The original slots of the exact bound type of `self`, or nullptr for a Python subclass.
-const Slots* slots_of(PyObject* self) {
-  auto it = originals().find(Py_TYPE(self));
-  return it == originals().end() ? nullptr : &it->second;
-}
+const Slots* slots_of(PyObject* self) { return originals().find(Py_TYPE(self)); }
 
 bool initialised(PyObject* self) {
   auto* inst = reinterpret_cast<py::detail::instance*>(self);
@@ -49,7 +77,7 @@ bool initialised(PyObject* self) {
 
 // Nonzero (and a TypeError set) if `self` is an exact bound type's object never initialised.
 int refuse_uninitialised(PyObject* self) {
-  if (slots_of(self) == nullptr || initialised(self)) return 0;
+  if (initialised(self) || slots_of(self) == nullptr) return 0;
   PyErr_Format(PyExc_TypeError,
                "%s object is not initialised (made by __new__ without __init__); "
                "construct it with %s(...)",
@@ -60,8 +88,7 @@ int refuse_uninitialised(PyObject* self) {
 // The original slot of the nearest bound type in self's MRO (subclasses inherit the wrappers).
 const Slots& base_slots(PyObject* self) {
   for (PyTypeObject* t = Py_TYPE(self); t != nullptr; t = t->tp_base) {
-    auto it = originals().find(t);
-    if (it != originals().end()) return it->second;
+    if (const Slots* s = originals().find(t)) return *s;
   }
   // Unreachable: the wrappers are ours.
   static const Slots generic = [] {
@@ -81,7 +108,7 @@ bool name_allowed(PyObject* name) {
 }
 
 PyObject* guarded_getattro(PyObject* self, PyObject* name) {
-  if (!name_allowed(name) && refuse_uninitialised(self)) return nullptr;
+  if (!initialised(self) && !name_allowed(name) && refuse_uninitialised(self)) return nullptr;
   return base_slots(self).getattro(self, name);
 }
 int guarded_setattro(PyObject* self, PyObject* name, PyObject* value) {
@@ -121,7 +148,7 @@ void guard_type(PyTypeObject* t) {
     s.subscript = t->tp_as_mapping->mp_subscript;
   }
   if (t->tp_as_sequence != nullptr) s.sq_length = t->tp_as_sequence->sq_length;
-  originals().emplace(t, s);
+  originals().insert(t, s);
   t->tp_getattro = guarded_getattro;
   if (s.setattro != nullptr) t->tp_setattro = guarded_setattro;
   if (s.repr != nullptr) t->tp_repr = guarded_repr;
@@ -142,7 +169,7 @@ void guard_uninitialised_instances(py::module_& m) {
     py::handle v = item.second;
     if (!PyType_Check(v.ptr())) continue;
     auto* t = reinterpret_cast<PyTypeObject*>(v.ptr());
-    if (py::detail::get_type_info(t) == nullptr || originals().count(t) != 0) continue;
+    if (py::detail::get_type_info(t) == nullptr || originals().find(t) != nullptr) continue;
     guard_type(t);
   }
 }

@@ -410,6 +410,20 @@ def test_sampled_tokens_int64_accepted() -> None:
     assert [o.output_tokens for o in out] == [[42]]
 
 
+@pytest.mark.parametrize("dtype", [">i4", "<i4", ">i8", "uint16"])
+@pytest.mark.parametrize("rows", [3, 100])  # within update()'s inline copy, and past it
+def test_sampled_tokens_of_any_byte_order_and_width_keep_their_values(dtype: str,
+                                                                      rows: int) -> None:
+    s = Scheduler(make_config(num_blocks=4 * rows, block_size=4, max_num_seqs=rows))
+    for i in range(rows):
+        s.add_request(i, prompt(3), sp(max_tokens=2))
+    b = s.schedule()
+    assert b.num_rows == rows
+    tokens = np.arange(1000, 1000 + rows).astype(dtype)
+    out = s.update(b, tokens)
+    assert {o.request_id: o.output_tokens for o in out} == {i: [1000 + i] for i in range(rows)}
+
+
 def test_prefill_num_accepted_all_ones_is_allowed() -> None:
     k = 2
     s = Scheduler(make_config(num_blocks=16, block_size=4, num_speculative_tokens=k))
