@@ -3,6 +3,8 @@
 # timings): per decode row at several sizes and K, and for the admission workload; and the bytes
 # a decode row moves from beyond a 1 MB cache (callgrind's cache simulator: a 32 KB L1 and a 1 MB
 # last level, this machine's L2), at 16,384 running where the records outgrow it.
+# With the package installed (make install), also the Python fixed cost of a step: the
+# instructions of the whole process for 4,000 steps less those for 2,000, over 2,000.
 #   usage: bash scripts/count_instructions.sh [path/to/atom_sched_count]
 # Needs valgrind, and the counter built with the C++ benchmarks (make build-cpp).
 set -euo pipefail
@@ -30,3 +32,14 @@ echo "decode, 16384 running, K=0: $((misses * 64 / rows)) bytes per row from bey
 ir=$(count admission)
 tokens=$(grep -oP 'tokens \K[0-9]+' "$out/stdout")
 echo "admission, 256 x 1,024-token prompts: $ir instructions ($(awk "BEGIN{printf \"%.1f\", $ir/$tokens}") per computed token)"
+py=${PYTHON:-$PWD/.venv/bin/python}
+# (From /: here the source tree's atom_sched, without the compiled module, would shadow it.)
+if (cd / && "$py" -c "import atom_sched._core") 2>/dev/null; then
+  steps() {  # instructions of the whole process for $1 steps
+    PYTHONHASHSEED=0 OPENBLAS_NUM_THREADS=1 valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+      "$py" benchmarks/count/count_python_step.py "$1" 2>&1 | grep -oP 'Collected : \K[0-9]+'
+  }
+  a=$(steps 2000)
+  b=$(steps 4000)
+  echo "Python fixed cost (schedule + views + update, 1 running): $(((b - a) / 2000)) instructions per step"
+fi
