@@ -191,8 +191,13 @@ py::object schedule(const Handle& h, bool allow_prefill, std::optional<double> n
   const double t = now ? *now : monotonic_seconds();
   // A connector interrupt waits for the next call if this one returns a batch (already counted
   // as outstanding: raising would lose it), else it is raised now.
+  // Small: a decode step of a few rows, with no prompt to admit or chunk.
+  const auto small = [](const Scheduler& c) {
+    return c.num_waiting() == 0 && c.num_partial_prefills() == 0 &&
+           c.num_running() <= kSmallStepRows;
+  };
   const Batch* b = with_core(
-      *h, [&](Scheduler& c) { return c.schedule(t, allow_prefill); }, OnInterrupt::kDefer);
+      *h, [&](Scheduler& c) { return c.schedule(t, allow_prefill); }, OnInterrupt::kDefer, small);
   if (b == nullptr) {
     raise_deferred_interrupt(*h);
     return py::none();
@@ -243,13 +248,16 @@ StepOutputView update(const Handle& h, const BatchView& batch, py::handle sample
   }
   // The step's id is read under the lock: another thread's update() cannot slip in between. A
   // connector interrupt waits for the next call: the step is applied and its outputs must stream.
+  const auto small = [&](const Scheduler&) {
+    return rows <= kSmallStepRows && b.num_tokens <= kSmallStepRows * (k + 1);
+  };
   const auto [so, id] = with_core(
       *h,
       [&](Scheduler& c) {
         const StepOutput& result = c.update(batch.id, out);
         return std::make_pair(&result, result.batch_id);
       },
-      OnInterrupt::kDefer);
+      OnInterrupt::kDefer, small);
   return StepOutputView{h, so, id};
 }
 

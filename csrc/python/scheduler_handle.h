@@ -4,6 +4,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstddef>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -58,6 +59,10 @@ inline thread_local bool t_inside_a_scheduler = false;
 /// ConnectorInterrupt for the core, which finishes the call consistently (kv_connector.h).
 inline thread_local std::optional<pybind11::error_already_set> t_connector_interrupt;
 
+/// A step of at most this many rows (and at most K+1 tokens each) is small for with_core(): its
+/// core work is about what releasing and retaking the GIL costs.
+inline constexpr int32_t kSmallStepRows = 64;
+
 /// What with_core() does with such an interrupt once the core call has returned.
 enum class OnInterrupt {
   kRaise,  // raise it now; the call's result, if any, is dropped
@@ -80,19 +85,34 @@ inline void raise_deferred_interrupt(SchedulerHandle& h) {
 /// holding this one deadlocks against a thread whose callback does the reverse.
 /// An interrupt deferred by the previous call is raised first, before anything changes; one
 /// raised by a callback during this call is raised or deferred as `on_interrupt` says.
-template <typename F>
-auto with_core(SchedulerHandle& h, F&& f, OnInterrupt on_interrupt = OnInterrupt::kRaise) {
+///
+/// `small(core)`, when given, says the call's work is a few microseconds (a decode step of a few
+/// rows): releasing and retaking the GIL would cost as much again. Such a call keeps the GIL if
+/// it finds the mutex free and no KV connector attached (nothing in the core then takes the GIL
+/// back, and no thread ever blocks on the mutex while holding the GIL, so this cannot deadlock);
+/// other threads wait for it as for any short C call.
+template <typename F, typename Small = std::nullptr_t>
+auto with_core(SchedulerHandle& h, F&& f, OnInterrupt on_interrupt = OnInterrupt::kRaise,
+               Small small = nullptr) {
   if (t_inside_a_scheduler)
     throw std::runtime_error(
         "a KV connector callback must not call into a Scheduler (its own or another)");
   raise_deferred_interrupt(h);
+  struct Inside {
+    Inside() { t_inside_a_scheduler = true; }
+    ~Inside() { t_inside_a_scheduler = false; }
+  };
   auto run = [&] {  // returns a copy, made under the lock
+    if constexpr (!std::is_null_pointer_v<Small>) {
+      std::unique_lock<std::mutex> lock(h.mu, std::try_to_lock);
+      if (lock.owns_lock() && h.core.kv_connector() == nullptr && small(h.core)) {
+        Inside inside;
+        return f(h.core);
+      }
+    }
     pybind11::gil_scoped_release release;
     std::lock_guard<std::mutex> lock(h.mu);
-    struct Inside {
-      Inside() { t_inside_a_scheduler = true; }
-      ~Inside() { t_inside_a_scheduler = false; }
-    } inside;
+    Inside inside;
     return f(h.core);
   };
   // With the GIL held again: take this call's interrupt, if any, and raise or defer it.

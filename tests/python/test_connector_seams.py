@@ -125,6 +125,66 @@ def test_callbacks_calling_another_scheduler_cannot_deadlock():
     s2.check_invariants()
 
 
+def test_small_steps_keep_the_gil_only_while_no_connector_can_call_back():
+    # A small step keeps the GIL when it finds the mutex free and no connector attached (the
+    # binding's with_core()). Hammer that: one thread steps a few requests, another attaches and
+    # detaches a Python connector and adds requests (admissions then call back into Python), a
+    # third reads the scheduler. Nothing may deadlock, every callback must run, the state holds.
+    import threading
+
+    import numpy as np
+
+    s = make()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    calls = [0]
+
+    class Counts(Holder):
+        def get_num_new_matched_tokens(self, request):
+            calls[0] += 1
+            return RemoteMatch()
+
+    def guarded(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+                stop.set()
+        return run
+
+    def step():
+        while not stop.is_set():
+            b = s.schedule()
+            if b is not None:
+                s.update(b, np.full(b.num_rows, 7, np.int32))
+
+    def churn():
+        for i in range(300):
+            s.set_kv_connector(Counts(None) if i % 2 == 0 else None)
+            s.add_request(i, [1, 2, 3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True))
+        stop.set()
+
+    def read():
+        while not stop.is_set():
+            s.has_unfinished_requests()
+            s.stats()
+
+    threads = [threading.Thread(target=guarded(f), daemon=True) for f in (step, churn, read)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert not errors, errors
+    assert calls[0] > 0, "no admission ran while a connector was attached"
+    s.set_kv_connector(None)
+    while s.has_unfinished_requests():
+        b = s.schedule()
+        s.update(b, np.full(b.num_rows, 7, np.int32))
+    s.check_invariants()
+
+
 def test_stale_batch_read_from_a_callback_raises_instead_of_showing_the_new_one():
     # Item 11: schedule() rebuilds the buffer of the batch before the outstanding one; a
     # connector callback that reads that old batch meanwhile must get an error, not the rows

@@ -175,6 +175,10 @@ class Scheduler {
     return waiting_.size + remote_waiting_.size;
   }
   [[nodiscard]] int32_t num_running() const noexcept { return running_.size; }
+  /// Running requests whose prompt is not fully scheduled yet (chunked prefill).
+  [[nodiscard]] int32_t num_partial_prefills() const noexcept {
+    return static_cast<int32_t>(partial_.size());
+  }
   [[nodiscard]] int32_t num_outstanding_batches() const noexcept { return num_outstanding_; }
   [[nodiscard]] bool has_unfinished_requests() const noexcept {
     return waiting_.size + remote_waiting_.size + running_.size > 0;
