@@ -131,14 +131,19 @@ py::object batch_views(const BatchView& v) {
     return readonly_view(base, reinterpret_cast<const bool*>(f.data()), {n});
   };
   auto tokens = [&](const auto& f) { return readonly_view(base, f.data(), {t}); };
-  // Built in BatchViews' field order (positional: a keyword call costs microseconds).
   PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> views_class;
-  const py::object& cls = views_class
-                              .call_once_and_store_result([] {
-                                return py::module_::import("atom_sched._views").attr("BatchViews");
-                              })
-                              .get_stored();
-  py::object views = cls(
+  constexpr py::ssize_t kFields = 18;
+  const py::object& cls =
+      views_class
+          .call_once_and_store_result([] {
+            py::object c = py::module_::import("atom_sched._views").attr("BatchViews");
+            if (py::len(c.attr("_fields")) != kFields)
+              throw std::logic_error("atom_sched._views.BatchViews has other fields than "
+                                     "Batch.views() makes");
+            return c;
+          })
+          .get_stored();
+  py::object fields[] = {  // in BatchViews' field order (_views.py; checked below)
       rows(b.req_ids), rows(b.request_slots), rows(b.num_scheduled_tokens),
       rows(b.num_cached_tokens), rows(b.context_lens),
       readonly_view(base, b.cu_seqlens_q.data(), {n + 1}),
@@ -147,7 +152,16 @@ py::object batch_views(const BatchView& v) {
       readonly_view(base, b.block_tables.data(), {n, b.block_table_width}),
       readonly_view(base, b.spec_draft_tokens.data(), {n, k}), rows(b.temperatures),
       rows(b.top_ks), rows(b.top_ps), rows(b.seeds), flags(b.row_is_prefill),
-      flags(b.emits_token));
+      flags(b.emits_token)};
+  // BatchViews is a NamedTuple (a tuple subclass with no dict): made as tuple.__new__ makes a
+  // subclass's instance (tp_alloc, then the items), not through its Python-level __new__, which
+  // costs as much as the arrays.
+  static_assert(sizeof(fields) / sizeof(fields[0]) == kFields);
+  auto* type = reinterpret_cast<PyTypeObject*>(cls.ptr());
+  py::object views = py::reinterpret_steal<py::object>(type->tp_alloc(type, kFields));
+  if (!views) throw py::error_already_set();
+  for (py::ssize_t i = 0; i < kFields; ++i)
+    PyTuple_SET_ITEM(views.ptr(), i, fields[i].release().ptr());
   *c = BatchViewsCache{&b, b.num_rows, b.num_tokens, k, views};
   return views;
 }

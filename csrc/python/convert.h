@@ -6,7 +6,9 @@
 #include <pybind11/pybind11.h>
 
 #include <array>
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <vector>
@@ -52,18 +54,30 @@ class Float32Input {
   py::ssize_t shape_[2] = {0, 0};
 };
 
-/// A read-only numpy array over memory owned by `owner` (kept alive as the array's base).
+/// A read-only numpy array over memory owned by `owner` (kept alive as the array's base), of 1 or
+/// 2 dimensions. Made with numpy's C API directly: views are made every step, and pybind11's
+/// array constructor allocates its shape and strides.
 template <typename T>
-py::array readonly_view(py::handle owner, const T* data, std::vector<py::ssize_t> shape) {
-  std::vector<py::ssize_t> strides(shape.size());
-  py::ssize_t stride = sizeof(T);
-  for (size_t i = shape.size(); i-- > 0;) {
+py::array readonly_view(py::handle owner, const T* data, std::initializer_list<py::ssize_t> shape) {
+  constexpr size_t kMaxDims = 2;
+  if (shape.size() == 0 || shape.size() > kMaxDims) pybind11::pybind11_fail("readonly_view: ndim");
+  Py_intptr_t dims[kMaxDims], strides[kMaxDims];
+  const int nd = static_cast<int>(shape.size());
+  std::copy(shape.begin(), shape.end(), dims);
+  Py_intptr_t stride = sizeof(T);
+  for (int i = nd; i-- > 0;) {
     strides[i] = stride;
-    stride *= shape[i];
+    stride *= dims[i];
   }
-  py::array a(py::dtype::of<T>(), std::move(shape), std::move(strides), data, owner);
-  py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
-  return a;
+  auto& api = py::detail::npy_api::get();
+  PyObject* a = api.PyArray_NewFromDescr_(api.PyArray_Type_, py::dtype::of<T>().release().ptr(),
+                                          nd, dims, strides, const_cast<T*>(data), 0, nullptr);
+  if (a == nullptr) throw py::error_already_set();
+  auto array = py::reinterpret_steal<py::array>(a);
+  if (api.PyArray_SetBaseObject_(a, owner.inc_ref().ptr()) != 0) throw py::error_already_set();
+  // An empty vector's data() may be null, and numpy then allocates a writeable buffer.
+  py::detail::array_proxy(a)->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  return array;
 }
 
 }  // namespace atom_sched::py_convert

@@ -631,8 +631,11 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
   const int32_t first_row = b.num_rows;
   for (int32_t s = running_.head; s >= 0;) {
     if constexpr (!kSpec) {
-      s = add_steady_decode_rows<kPow2>(b, s);  // the run of steady rows from here, if any
-      if (s < 0) break;
+      if (b.num_rows < config_.max_num_seqs && b.num_tokens < config_.max_num_batched_tokens &&
+          is_steady_decode_row<kPow2>(b, b.num_rows, requests_[s])) {
+        s = add_steady_decode_rows<kPow2>(b, s);  // the run of steady rows from here
+        if (s < 0) break;
+      }
     }
     if (b.num_rows >= config_.max_num_seqs) break;
     Request& r = requests_[s];
@@ -952,18 +955,30 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
 }
 
 template <bool kPow2>
+[[gnu::always_inline]] inline bool Scheduler::is_steady_decode_row(const Batch& b, int32_t row,
+                                                                  const Request& r) const {
+  const int32_t start = r.num_computed_tokens;
+  const int32_t size = r.table_size;
+  // Its prompt all scheduled, synchronous (nothing in flight or to stream: the input is its last
+  // token), below the position limit, position `start` in the last block it holds (no KV to
+  // reserve); and this buffer's row held the same admission, with its block table filled and
+  // every block shipped. (Every request on the running list is running.)
+  return start >= r.prefill_target && (r.num_inflight | r.num_unstreamed) == 0 &&
+         start < position_limit_ && start == r.token_count - 1 &&
+         block_in<kPow2>(start) == size - 1 && r.blocks_shipped == size &&
+         b.row_owner[row] == r.epoch && b.row_filled[row] == size;
+}
+
+template <bool kPow2>
 int32_t Scheduler::add_steady_decode_rows(Batch& b, int32_t s) {
   // A tight loop: the columns and limits in locals (no byte store inside, so nothing is
   // reloaded), the byte columns and the batch's counts written at the end.
   const int32_t max_rows = config_.max_num_seqs;
   const int32_t max_tokens = config_.max_num_batched_tokens;
-  const int32_t limit = position_limit_;
   const int32_t bs = config_.block_size;
   const int32_t shift = block_shift_;
   const Link* __restrict links = links_.data();
   Request* __restrict requests = requests_.data();
-  const uint64_t* __restrict owners = b.row_owner.data();
-  const int32_t* __restrict filled = b.row_filled.data();
   int32_t* __restrict scheduled = b.num_scheduled_tokens.data();
   int32_t* __restrict cached = b.num_cached_tokens.data();
   int32_t* __restrict tokens = b.scheduled_tokens.data();
@@ -977,20 +992,11 @@ int32_t Scheduler::add_steady_decode_rows(Batch& b, int32_t s) {
   int32_t t = b.num_tokens;
   for (; s >= 0 && row < max_rows && t < max_tokens; s = links[s].next) {
     Request& r = requests[s];
+    if (!is_steady_decode_row<kPow2>(b, row, r)) break;
     const int32_t start = r.num_computed_tokens;
     const int32_t size = r.table_size;
-    // Its prompt all scheduled, synchronous (nothing in flight or to stream: the input is its
-    // last token), below the position limit, position `start` in the last block it holds (no
-    // KV to reserve); and this buffer's row held the same admission, with its block table
-    // filled and every block shipped. (Every request on the running list is running.)
-    const int32_t block = kPow2 ? start >> shift : start / bs;
-    const bool steady = start >= r.prefill_target && (r.num_inflight | r.num_unstreamed) == 0 &&
-                        start < limit && start == r.token_count - 1 && block == size - 1 &&
-                        r.blocks_shipped == size && owners[row] == r.epoch &&
-                        filled[row] == size;
-    if (!steady) break;
     // What begin_row() and add_decode_row() write for such a row; its other columns hold.
-    const int32_t offset = kPow2 ? start & (bs - 1) : start - block * bs;
+    const int32_t offset = kPow2 ? start & (bs - 1) : start % bs;
     const int64_t base = kPow2 ? int64_t{r.last_block} << shift : int64_t{r.last_block} * bs;
     scheduled[row] = 1;
     cached[row] = start;

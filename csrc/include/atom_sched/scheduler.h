@@ -282,6 +282,10 @@ class Scheduler {
   /// budgets) writing only those, and returns the request that ended the run (-1: the list did).
   template <bool kPow2>
   int32_t add_steady_decode_rows(Batch& b, int32_t s);
+  /// Whether request `r`'s K = 0 decode row would be steady in `b`'s row `row` (the rule
+  /// add_steady_decode_rows() runs on).
+  template <bool kPow2>
+  [[nodiscard]] bool is_steady_decode_row(const Batch& b, int32_t row, const Request& r) const;
   template <bool kPow2>
   int32_t begin_row(Batch& b, Request& r, int32_t slot, int32_t num_tokens);
   /// Ships the request's new blocks to its device slot; true when the slot starts afresh.
