@@ -203,13 +203,13 @@ py::object add_request(SchedulerHandle& h, int64_t request_id, py::handle prompt
 
 py::object schedule(const Handle& h, bool allow_prefill, std::optional<double> now) {
   const double t = now ? *now : monotonic_seconds();
-  // A connector interrupt waits for the next call if this one returns a batch (already counted
-  // as outstanding: raising would lose it), else it is raised now.
   // Small: a decode step of a few rows, with no prompt to admit or chunk.
   const auto small = [](const Scheduler& c) {
     return c.num_waiting() == 0 && c.num_partial_prefills() == 0 &&
            c.num_running() <= kSmallStepRows;
   };
+  // A connector interrupt waits for the next call if this one returns a batch (already counted
+  // as outstanding: raising would lose it), else it is raised now.
   const Batch* b = with_core(
       *h, [&](Scheduler& c) { return c.schedule(t, allow_prefill); }, OnInterrupt::kDefer, small);
   if (b == nullptr) {

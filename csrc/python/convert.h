@@ -23,6 +23,9 @@ class Int32Input {
  public:
   /// `ndim` 1 or 2; 0 accepts either. Empty `what` is used in messages.
   Int32Input(py::handle obj, const char* what, int ndim = 1);
+  // span() may point into the object itself (small_): neither copied nor moved.
+  Int32Input(const Int32Input&) = delete;
+  Int32Input& operator=(const Int32Input&) = delete;
   [[nodiscard]] std::span<const int32_t> span() const { return {data_, size_}; }
   [[nodiscard]] int ndim() const { return ndim_; }
   [[nodiscard]] py::ssize_t dim(int i) const { return shape_[i]; }
