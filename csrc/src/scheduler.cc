@@ -632,7 +632,7 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
   for (int32_t s = running_.head; s >= 0;) {
     if constexpr (!kSpec) {
       if (b.num_rows < config_.max_num_seqs && b.num_tokens < config_.max_num_batched_tokens &&
-          is_steady_decode_row<kPow2>(b, b.num_rows, requests_[s])) {
+          is_steady_decode_row<kPow2>(requests_[s])) {
         s = add_steady_decode_rows<kPow2>(b, s);  // the run of steady rows from here
         if (s < 0) break;
       }
@@ -853,6 +853,20 @@ namespace {
   return shipped == 0;
 }
 
+[[gnu::always_inline]] inline void Scheduler::write_owner_columns(Batch& b, int32_t row,
+                                                                 const Request& r,
+                                                                 int32_t slot) {
+  b.row_owner[row] = r.epoch;
+  b.req_ids[row] = r.id;
+  b.request_index[row] = slot;
+  b.request_slots[row] = r.device_slot;
+  b.temperatures[row] = r.temperature;
+  b.top_ks[row] = r.top_k;
+  b.top_ps[row] = r.top_p;
+  b.seeds[row] = r.seed;
+  b.state_slots[row] = r.state_slot;
+}
+
 template <bool kPow2>
 [[gnu::always_inline]] inline int32_t Scheduler::begin_row(Batch& b, Request& r, int32_t slot,
                                                           int32_t num_tokens) {
@@ -863,17 +877,7 @@ template <bool kPow2>
   // A row of this buffer that held the same admission two steps ago (steady-state decode keeps
   // the running order) already has the request's constant columns.
   const bool same_owner = b.row_owner[row] == r.epoch;
-  if (!same_owner) {
-    b.row_owner[row] = r.epoch;
-    b.req_ids[row] = r.id;
-    b.request_index[row] = slot;
-    b.request_slots[row] = r.device_slot;
-    b.temperatures[row] = r.temperature;
-    b.top_ks[row] = r.top_k;
-    b.top_ps[row] = r.top_p;
-    b.seeds[row] = r.seed;
-    b.state_slots[row] = r.state_slot;
-  }
+  if (!same_owner) write_owner_columns(b, row, r, slot);
   // Only what the request gives: the columns that follow from these two are derived for all
   // rows at once (derive_row_columns()).
   b.num_scheduled_tokens[row] = num_tokens;
@@ -955,18 +959,16 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
 }
 
 template <bool kPow2>
-[[gnu::always_inline]] inline bool Scheduler::is_steady_decode_row(const Batch& b, int32_t row,
-                                                                  const Request& r) const {
+[[gnu::always_inline]] inline bool Scheduler::is_steady_decode_row(const Request& r) const {
   const int32_t start = r.num_computed_tokens;
   const int32_t size = r.table_size;
   // Its prompt all scheduled, synchronous (nothing in flight or to stream: the input is its last
   // token), below the position limit, position `start` in the last block it holds (no KV to
-  // reserve); and this buffer's row held the same admission, with its block table filled and
-  // every block shipped. (Every request on the running list is running.)
+  // reserve), every block shipped to its device slot. (Every request on the running list is
+  // running.)
   return start >= r.prefill_target && (r.num_inflight | r.num_unstreamed) == 0 &&
          start < position_limit_ && start == r.token_count - 1 &&
-         block_in<kPow2>(start) == size - 1 && r.blocks_shipped == size &&
-         b.row_owner[row] == r.epoch && b.row_filled[row] == size;
+         block_in<kPow2>(start) == size - 1 && r.blocks_shipped == size;
 }
 
 template <bool kPow2>
@@ -992,9 +994,17 @@ int32_t Scheduler::add_steady_decode_rows(Batch& b, int32_t s) {
   int32_t t = b.num_tokens;
   for (; s >= 0 && row < max_rows && t < max_tokens; s = links[s].next) {
     Request& r = requests[s];
-    if (!is_steady_decode_row<kPow2>(b, row, r)) break;
+    if (!is_steady_decode_row<kPow2>(r)) break;
     const int32_t start = r.num_computed_tokens;
     const int32_t size = r.table_size;
+    // A row that held another admission in this buffer (the rows shifted: a request before it
+    // finished or was preempted) takes this one's constant columns and block table first.
+    if (b.row_owner[row] != r.epoch) {
+      write_owner_columns(b, row, r, s);
+      fill_block_table_row(b, row, r, /*same_owner=*/false);
+    } else if (b.row_filled[row] != size) {
+      fill_block_table_row(b, row, r, /*same_owner=*/true);
+    }
     // What begin_row() and add_decode_row() write for such a row; its other columns hold.
     const int32_t offset = kPow2 ? start & (bs - 1) : start % bs;
     const int64_t base = kPow2 ? int64_t{r.last_block} << shift : int64_t{r.last_block} * bs;

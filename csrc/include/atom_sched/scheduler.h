@@ -276,16 +276,19 @@ class Scheduler {
   void derive_row_columns(Batch& b) const;
   template <bool kSpec, bool kPow2>
   void add_decode_row(Batch& b, int32_t slot, int32_t num_tokens);
-  /// K = 0 decode rows in the steady state (synchronous, no block to reserve or ship, this
-  /// buffer's row held the same admission) change only their counts, positions, slots and input
-  /// tokens: adds the run of such rows from running request `s` (within the row and token
-  /// budgets) writing only those, and returns the request that ended the run (-1: the list did).
+  /// K = 0 decode rows in the steady state (synchronous, no block to reserve or ship) change
+  /// only their counts, positions, slots and input tokens, and their owner columns and block
+  /// table where the row held another request: adds the run of such rows from running request
+  /// `s` (within the row and token budgets) writing only those, and returns the request that
+  /// ended the run (-1: the list did).
   template <bool kPow2>
   int32_t add_steady_decode_rows(Batch& b, int32_t s);
-  /// Whether request `r`'s K = 0 decode row would be steady in `b`'s row `row` (the rule
-  /// add_steady_decode_rows() runs on).
+  /// Whether request `r`'s K = 0 decode row is steady (the rule add_steady_decode_rows() runs
+  /// on): synchronous, nothing to reserve or ship.
   template <bool kPow2>
-  [[nodiscard]] bool is_steady_decode_row(const Batch& b, int32_t row, const Request& r) const;
+  [[nodiscard]] bool is_steady_decode_row(const Request& r) const;
+  /// The columns a row copies from its request when it changes owner (the request's constants).
+  void write_owner_columns(Batch& b, int32_t row, const Request& r, int32_t slot);
   template <bool kPow2>
   int32_t begin_row(Batch& b, Request& r, int32_t slot, int32_t num_tokens);
   /// Ships the request's new blocks to its device slot; true when the slot starts afresh.
