@@ -486,6 +486,18 @@ def decode_step(n: int, reps: int, warmup: int, *, k: int = 0, check: bool = Fal
                         "cpu_share": rig.ng.cpu_share, "other_busy": rig.ng.other_busy})
 
 
+def fixed_cost_steps(s: Scheduler, sampled: np.ndarray, steps: int) -> None:
+    """`steps` decode steps as the fixed-cost row times them: schedule(), views() and the six
+    arrays a runner hands to attention, update(). (benchmarks/count/count_python_step.py counts
+    the same loop's instructions.)"""
+    for _ in range(steps):
+        b = s.schedule()
+        v = b.views()
+        v.positions, v.slot_mapping, v.block_tables  # noqa: B018 (what a runner reads)
+        v.scheduled_tokens, v.context_lens, v.cu_seqlens_q  # noqa: B018
+        s.update(b, sampled)
+
+
 def fixed_cost(reps: int, warmup: int, *, check: bool = False) -> Result:
     """The Python fixed cost of a step: a decode step with 1 running request, timed in blocks of
     100 steps (so the clock's own cost is amortized): schedule(), views() and the six arrays a
@@ -498,12 +510,7 @@ def fixed_cost(reps: int, warmup: int, *, check: bool = False) -> Result:
     with rig.ng:
         for i in range(reps):
             t0 = clock()
-            for _ in range(block):
-                b = s.schedule()
-                v = b.views()
-                v.positions, v.slot_mapping, v.block_tables  # noqa: B018 (what a runner reads)
-                v.scheduled_tokens, v.context_lens, v.cu_seqlens_q  # noqa: B018
-                s.update(b, sampled)
+            fixed_cost_steps(s, sampled, block)
             times[i] = (clock() - t0) // block
     rig.steps_done += reps * block
     grown = rig.verify()

@@ -1,6 +1,7 @@
 """The Python fixed cost of a step, for callgrind (scripts/count_instructions.sh): one running
-request decoding, each step what `atom-sched bench`'s fixed-cost row times (schedule(), views()
-and the six arrays a runner reads, update()). Prefix caching is off, so no step grows a hash map:
+request decoding, each step the loop `atom-sched bench`'s fixed-cost row times
+(scheduler_bench.fixed_cost_steps: schedule(), views() and the six arrays a runner reads,
+update()). Prefix caching is off, so no step grows a hash map:
 two runs of different lengths differ by their steps alone, and the script divides by that
 difference.
 
@@ -11,10 +12,14 @@ from __future__ import annotations
 
 import gc
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from atom_sched import SamplingParams, Scheduler, SchedulerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/
+from scheduler_bench import fixed_cost_steps  # noqa: E402
 
 
 def main(steps: int) -> None:
@@ -25,12 +30,7 @@ def main(steps: int) -> None:
     s.add_request(0, list(range(3, 35)), SamplingParams(max_tokens=10**7, ignore_eos=True))
     sampled = np.full(1, 7, np.int32)
     gc.disable()
-    for _ in range(steps):
-        b = s.schedule()
-        v = b.views()
-        v.positions, v.slot_mapping, v.block_tables  # noqa: B018 (what a runner reads)
-        v.scheduled_tokens, v.context_lens, v.cu_seqlens_q  # noqa: B018
-        s.update(b, sampled)
+    fixed_cost_steps(s, sampled, steps)
 
 
 if __name__ == "__main__":
