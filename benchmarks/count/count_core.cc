@@ -5,6 +5,8 @@
 //                                       counted after a warm-up
 //   atom_sched_count admission          256 prompts of 1,024 tokens, half sharing 768, admitted
 //                                       under a 16,384-token budget (scheduler_bench's workload)
+//   atom_sched_count preemption STEPS   256 live requests against a pool too small for them all
+//                                       (scheduler_bench's preempt_256): STEPS steps counted
 //
 // Only the counted region runs with instrumentation on (valgrind --instr-atstart=no); the
 // program prints what it counted (rows or tokens) for the script to divide by.
@@ -110,12 +112,62 @@ int admission() {
   return 0;
 }
 
+int preemption(int steps) {
+  // scheduler_bench.py's preemption(): 256 live requests of 128-token prompts (64 distinct, so
+  // re-admissions hit the prefix cache), max_tokens 64..256, a finished one replaced at once,
+  // 2,304 blocks of 16 (under half of what they would need at full length).
+  constexpr int kLive = 256, kPromptLen = 128;
+  SchedulerConfig c;
+  c.block_size = 16;
+  c.max_num_seqs = kLive;
+  c.max_num_batched_tokens = 8192;
+  c.max_model_len = 4096;
+  c.num_blocks = 2304;
+  Scheduler s(c);
+  std::mt19937 rng(2);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 64; ++i) prompts.push_back(random_tokens(rng, kPromptLen));
+  int64_t next_id = 0;
+  auto add = [&](int count) {
+    for (int i = 0; i < count; ++i, ++next_id) {
+      SamplingParams sp;
+      sp.max_tokens = 64 + static_cast<int32_t>(rng() % 193);
+      sp.ignore_eos = true;
+      s.add_request(next_id, prompts[next_id % 64], sp);
+    }
+  };
+  add(kLive);
+  std::vector<int32_t> sampled(kLive, 7);
+  auto step = [&] {
+    const Batch* b = s.schedule();
+    if (b == nullptr) std::exit(2);
+    ModelOutputs o;
+    o.sampled_token_ids = {sampled.data(), size_t(b->num_rows)};
+    const auto& out = s.update(b->id, o);
+    return static_cast<int>(out.finished_entries.size());
+  };
+  for (int i = 0; i < 1000; ++i) add(step());  // warm up into the steady churn
+  const int64_t preempted0 = s.stats().num_preemptions;
+  CALLGRIND_START_INSTRUMENTATION;
+  for (int i = 0; i < steps; ++i) {
+    const int finished = step();
+    CALLGRIND_STOP_INSTRUMENTATION;  // replacements are added untimed, as in the bench
+    add(finished);
+    CALLGRIND_START_INSTRUMENTATION;
+  }
+  CALLGRIND_STOP_INSTRUMENTATION;
+  std::printf("steps %d preemptions %lld\n", steps,
+              static_cast<long long>(s.stats().num_preemptions - preempted0));
+  return s.stats().num_preemptions > preempted0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc == 5 && std::strcmp(argv[1], "decode") == 0)
     return decode(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]));
   if (argc == 2 && std::strcmp(argv[1], "admission") == 0) return admission();
-  std::fprintf(stderr, "usage: %s decode N K STEPS | admission\n", argv[0]);
+  if (argc == 3 && std::strcmp(argv[1], "preemption") == 0) return preemption(std::atoi(argv[2]));
+  std::fprintf(stderr, "usage: %s decode N K STEPS | admission | preemption STEPS\n", argv[0]);
   return 64;
 }

@@ -791,23 +791,45 @@ namespace {
   }
 }
 
+// store_ramp: dst[i] = first + i for i < n, four lanes a store (one AVX2 store, or two SSE2
+// ones in the baseline build). Written with a vector type: the loop vectoriser, given a block's
+// 16 slots, unrolls them into scalar stores or pays a prologue and an epilogue per block.
+using I64x4 = int64_t __attribute__((vector_size(32)));
+[[gnu::always_inline]] inline void store_ramp(int64_t* __restrict dst, int64_t first,
+                                              int64_t n) {
+  I64x4 v = I64x4{0, 1, 2, 3} + first;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16, v += 16) {  // a whole block of the usual size a pass
+    const I64x4 v4 = v + 4, v8 = v + 8, v12 = v + 12;
+    __builtin_memcpy(dst + i, &v, sizeof v);
+    __builtin_memcpy(dst + i + 4, &v4, sizeof v);
+    __builtin_memcpy(dst + i + 8, &v8, sizeof v);
+    __builtin_memcpy(dst + i + 12, &v12, sizeof v);
+  }
+  for (; i + 4 <= n; i += 4, v += 4) __builtin_memcpy(dst + i, &v, sizeof v);
+  for (; i < n; ++i) dst[i] = first + i;
+}
+
 // fill_positions: any row, block by block (a prompt chunk's thousands of tokens). Out of line: a
-// one-token decode row never calls it.
-[[gnu::noinline]] void fill_positions(int64_t* __restrict positions, int64_t* __restrict slots,
-                                      int32_t start, int32_t n, const int32_t* table,
-                                      int32_t offset, int64_t base, int32_t bs) {
-  // Positions run on across blocks: one loop, unrolled (a prompt chunk has thousands).
-#pragma GCC unroll 8
-  for (int64_t i = 0; i < n; ++i) positions[i] = start + i;
+// one-token decode row never calls it. An admission writes 16 bytes of positions and slots per
+// prompt token, so it is compiled twice (function multiversioning): with AVX2 where the CPU has
+// it (4 int64 lanes a store), else for the baseline x86-64 (SSE2, 2 lanes). The loader picks the
+// clone once.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ATOM_SCHED_AVX2_CLONES [[gnu::target_clones("avx2", "default")]]
+#else
+#define ATOM_SCHED_AVX2_CLONES
+#endif
+ATOM_SCHED_AVX2_CLONES [[gnu::noinline]] void fill_positions(
+    int64_t* __restrict positions, int64_t* __restrict slots, int32_t start, int32_t n,
+    const int32_t* table, int32_t offset, int64_t base, int32_t bs) {
+  store_ramp(positions, start, n);  // positions run on across blocks
   for (int32_t i = 0;;) {
     const int32_t run = std::min(bs - offset, n - i);
-    int64_t* __restrict q = slots + i;
-    const int64_t slot0 = base + offset;
-    if (run == 16) {  // a whole block of the usual size: a fixed count, unrolled
-      for (int64_t j = 0; j < 16; ++j) q[j] = slot0 + j;
-    } else {
-      for (int64_t j = 0; j < run; ++j) q[j] = slot0 + j;
-    }
+    if (run == 16)  // a whole block of the usual size: its count fixed, four stores
+      store_ramp(slots + i, base + offset, 16);
+    else
+      store_ramp(slots + i, base + offset, run);
     i += run;
     if (i == n) return;
     offset = 0;

@@ -584,5 +584,38 @@ TEST(SchedulerTest, RejectionReasonsAreAtomsExactText) {
   }
 }
 
+
+// fill_positions() writes a prompt chunk's positions and slots four lanes at a time, a whole
+// block of 16 with a fixed count, the rest with a remainder loop. Chunks here start and end
+// anywhere in a block (an odd token budget, prefix hits that end on a block boundary, prompts of
+// every length mod 16), at block sizes with and without that fixed case; the harness checks every
+// position and slot of every batch against the request's block table (CheckBatch).
+TEST(SchedulerTest, PromptChunkPositionsAndSlotsAtEveryOffset) {
+  for (const int32_t bs : {16, 32, 8, 5}) {
+    SCOPED_TRACE(testing::Message() << "block_size " << bs);
+    SchedulerConfig c = Cfg(400, bs);
+    c.max_num_batched_tokens = 37;  // chunks start and end mid-block
+    c.max_model_len = 512;
+    H h(c);
+    const V shared = Seq(1000, 3 * bs + 7);
+    int64_t id = 0;
+    for (int32_t len : {1, 3, 4, 15, 16, 17, 31, 33, 64, 70, 101}) {
+      V prompt = shared;  // the later prompts hit the shared prefix's full blocks
+      const V tail = Seq(5000 + 200 * static_cast<int32_t>(id), len);
+      prompt.insert(prompt.end(), tail.begin(), tail.end());
+      h.add(id++, prompt, P(2));
+      h.add(id++, tail, P(2));
+    }
+    int32_t steps = 0;
+    while (h.s.has_unfinished_requests()) {
+      auto b = h.sched();  // CheckBatch: every position and slot
+      ASSERT_TRUE(b);
+      h.upd(*b, V(b->num_rows, 7));
+      ASSERT_LT(++steps, 2000) << "no progress";
+    }
+    EXPECT_GT(h.s.stats().prefix_hit_tokens, 0);
+  }
+}
+
 }  // namespace
 }  // namespace atom_sched
