@@ -233,6 +233,69 @@ int32_t Scheduler::apply_plain_decode_rows(const Batch& b, const ModelOutputs& o
   return row;
 }
 
+template <int K>
+void Scheduler::apply_plain_spec_rows(const Batch& b, const ModelOutputs& out,
+                                      OutputCursor& cursor) {
+  const int32_t rows = b.num_rows;
+  constexpr int32_t k = K;  // the draft loops unroll
+  const int32_t* __restrict slots = b.request_index.data();
+  const uint8_t* __restrict prefill = b.row_is_prefill.data();
+  const int32_t* __restrict scheduled = b.num_scheduled_tokens.data();
+  const int32_t* __restrict sampled = out.sampled_token_ids.data();
+  const int32_t* __restrict accepted = out.num_accepted.data();
+  const int32_t* __restrict drafts = out.draft_token_ids.data();
+  StepOutput& so = step_output_;
+  int32_t* __restrict tokens_out = so.new_tokens.data();
+  int64_t* __restrict acceptance_counts = stats_.acceptance_counts.data();
+  int32_t row = 0, num_tokens = 0;
+  int64_t drafted = 0, accepted_drafts = 0;
+  for (; row < rows; ++row) {
+    const int32_t slot = slots[row];
+    Request& r = requests_[slot];
+    // As apply_plain_decode_rows(): apply_row_output() from the first row that is not plain.
+    // (A decode row of a K > 0 batch always has its accepted count: validate_outputs().)
+    if (r.status != RequestStatus::kRunning || r.num_unstreamed > 0 || prefill[row]) break;
+    const int32_t a = accepted[row];
+    const int32_t n = scheduled[row];  // K+1, or fewer near the limit
+    --r.num_inflight;
+    r.num_computed_tokens -= n - a;  // roll back the rejected drafts
+    drafted += n - 1;
+    accepted_drafts += a - 1;
+    ++acceptance_counts[a - 1];
+    // The drafts proposed for its next step: a prefix (validated), so those >= 0.
+    const int32_t* d = drafts + static_cast<size_t>(row) * k;
+    int32_t* kept_drafts = r.drafts.data();
+    int32_t proposed = 0;
+    for (int32_t j = 0; j < k; ++j) {
+      kept_drafts[j] = d[j];
+      proposed += d[j] >= 0;
+    }
+    r.num_drafts = proposed;
+    // The accepted tokens one by one; the earliest stop wins and later tokens are dropped.
+    const int32_t* t = sampled + static_cast<size_t>(row) * (k + 1);
+    FinishReason reason = FinishReason::kNone;
+    int32_t stop_token = -1, kept = 0;
+    while (kept < a && reason == FinishReason::kNone) {
+      r.append_token(t[kept]);
+      tokens_out[num_tokens + kept++] = r.last_token;
+      reason = stop_after_append(r, stop_token);
+    }
+    publish_decode_blocks(r);
+    num_tokens += kept;
+    so.req_ids[row] = r.id;
+    so.token_offsets[row + 1] = num_tokens;
+    so.finish_reasons[row] = reason;
+    so.stop_tokens[row] = stop_token;
+    so.prefix_hit_tokens[row] = r.prefix_hit_tokens;
+    so.wants_logprobs[row] = r.wants_logprobs;
+    if (reason != FinishReason::kNone) finish_entry(row, slot, reason, stop_token);
+  }
+  stats_.num_spec_steps += row;
+  stats_.num_draft_tokens += drafted;
+  stats_.num_accepted_draft_tokens += accepted_drafts;
+  cursor = {row, num_tokens};
+}
+
 template <bool kSpec>
 [[gnu::always_inline]] inline void Scheduler::apply_row_output(const Batch& b, int32_t row,
                                                               const ModelOutputs& out,
@@ -363,7 +426,21 @@ const StepOutput& Scheduler::update(uint64_t batch_id, const ModelOutputs& out) 
   // Compiled per kind of step (as schedule_decode_rows()): no draft logic when K = 0, and the
   // plain rows of a K = 0 step without log-probabilities first, in passes.
   if (k_ > 0) {
-    for (int32_t row = 0; row < b.num_rows; ++row)
+    if (out.logprobs.empty()) {
+      static_assert(kMaxSpeculativeTokens == 8, "one case per K below");
+      switch (k_) {
+        case 1: apply_plain_spec_rows<1>(b, out, cursor); break;
+        case 2: apply_plain_spec_rows<2>(b, out, cursor); break;
+        case 3: apply_plain_spec_rows<3>(b, out, cursor); break;
+        case 4: apply_plain_spec_rows<4>(b, out, cursor); break;
+        case 5: apply_plain_spec_rows<5>(b, out, cursor); break;
+        case 6: apply_plain_spec_rows<6>(b, out, cursor); break;
+        case 7: apply_plain_spec_rows<7>(b, out, cursor); break;
+        case 8: apply_plain_spec_rows<8>(b, out, cursor); break;
+        default: break;  // config validation keeps K in 0..8
+      }
+    }
+    for (int32_t row = cursor.entries; row < b.num_rows; ++row)
       apply_row_output<true>(b, row, out, width, cursor);
   } else {
     const int32_t plain = out.logprobs.empty() ? apply_plain_decode_rows(b, out) : 0;

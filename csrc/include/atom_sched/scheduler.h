@@ -315,6 +315,12 @@ class Scheduler {
   /// written in passes. Returns the rows applied: it stops before the first that needs
   /// apply_row_output() (not running, a token to stream besides, or a prompt chunk).
   int32_t apply_plain_decode_rows(const Batch& b, const ModelOutputs& out);
+  /// The same for a K > 0 step: the plain decode rows from the first (running, nothing to stream
+  /// besides, no log-probabilities), each rolling back its rejected drafts and appending its
+  /// accepted tokens, with the step's acceptance statistics summed once. Leaves `cursor` after
+  /// the rows it applied. Compiled per K (1..8), so its draft loops unroll.
+  template <int K>
+  void apply_plain_spec_rows(const Batch& b, const ModelOutputs& out, OutputCursor& cursor);
   /// Records step_output_ entry `entry`'s finish (its whole sequence) and finishes the request.
   void finish_entry(int32_t entry, int32_t slot, FinishReason reason, int32_t stop_token);
   /// Decode-block caching: publishes the blocks a decode row's verified KV completed.
