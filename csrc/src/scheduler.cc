@@ -630,12 +630,11 @@ template <bool kSpec, bool kPow2>
 int32_t Scheduler::schedule_decode_rows(Batch& b) {
   const int32_t first_row = b.num_rows;
   for (int32_t s = running_.head; s >= 0;) {
-    if constexpr (!kSpec) {
-      if (b.num_rows < config_.max_num_seqs && b.num_tokens < config_.max_num_batched_tokens &&
-          is_steady_decode_row<kPow2>(requests_[s])) {
-        s = add_steady_decode_rows<kPow2>(b, s);  // the run of steady rows from here
-        if (s < 0) break;
-      }
+    if (b.num_rows < config_.max_num_seqs &&
+        steady_decode_row_tokens<kSpec, kPow2>(requests_[s]) > 0) {
+      // The run of steady rows from here.
+      s = kSpec ? add_steady_spec_rows<kPow2>(b, s) : add_steady_decode_rows<0, kPow2>(b, s);
+      if (s < 0) break;
     }
     if (b.num_rows >= config_.max_num_seqs) break;
     Request& r = requests_[s];
@@ -980,23 +979,51 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   ++r.num_inflight;
 }
 
-template <bool kPow2>
-[[gnu::always_inline]] inline bool Scheduler::is_steady_decode_row(const Request& r) const {
+template <bool kSpec, bool kPow2>
+[[gnu::always_inline]] inline int32_t Scheduler::steady_decode_row_tokens(const Request& r) const {
   const int32_t start = r.num_computed_tokens;
   const int32_t size = r.table_size;
   // Its prompt all scheduled, synchronous (nothing in flight or to stream: the input is its last
-  // token), below the position limit, position `start` in the last block it holds (no KV to
-  // reserve), every block shipped to its device slot. (Every request on the running list is
-  // running.)
-  return start >= r.prefill_target && (r.num_inflight | r.num_unstreamed) == 0 &&
-         start < position_limit_ && start == r.token_count - 1 &&
-         block_in<kPow2>(start) == size - 1 && r.blocks_shipped == size;
+  // token, then its drafts), every block shipped to its device slot, and its positions all in
+  // one block it holds: no KV to reserve. (Every request on the running list is running.)
+  const bool synchronous = start >= r.prefill_target &&
+                           (r.num_inflight | r.num_unstreamed) == 0 &&
+                           start == r.token_count - 1 && r.blocks_shipped == size;
+  if constexpr (!kSpec) {
+    // One token, below the position limit, in the last block (decode_row_tokens() without
+    // drafts, written out so that the run's check is one expression).
+    return synchronous && start < position_limit_ && block_in<kPow2>(start) == size - 1;
+  }
+  if (!synchronous) return 0;
+  // decode_row_tokens(), which with nothing in flight caps the tokens at the position limit and
+  // at the drafts proposed. The block may be the one before the last, when rejected drafts left
+  // the last block reserved but empty.
+  const int32_t n = decode_row_tokens<kSpec>(r);
+  const int32_t block = block_in<kPow2>(start);
+  return n > 0 && block == block_in<kPow2>(start + n - 1) && block < size ? n : 0;
 }
 
 template <bool kPow2>
+int32_t Scheduler::add_steady_spec_rows(Batch& b, int32_t s) {
+  static_assert(kMaxSpeculativeTokens == 8, "one case per K below");
+  switch (k_) {
+    case 1: return add_steady_decode_rows<1, kPow2>(b, s);
+    case 2: return add_steady_decode_rows<2, kPow2>(b, s);
+    case 3: return add_steady_decode_rows<3, kPow2>(b, s);
+    case 4: return add_steady_decode_rows<4, kPow2>(b, s);
+    case 5: return add_steady_decode_rows<5, kPow2>(b, s);
+    case 6: return add_steady_decode_rows<6, kPow2>(b, s);
+    case 7: return add_steady_decode_rows<7, kPow2>(b, s);
+    case 8: return add_steady_decode_rows<8, kPow2>(b, s);
+    default: return s;  // config validation keeps K in 0..8
+  }
+}
+
+template <int K, bool kPow2>
 int32_t Scheduler::add_steady_decode_rows(Batch& b, int32_t s) {
   // A tight loop: the columns and limits in locals (no byte store inside, so nothing is
   // reloaded), the byte columns and the batch's counts written at the end.
+  constexpr bool kSpec = K > 0;
   const int32_t max_rows = config_.max_num_seqs;
   const int32_t max_tokens = config_.max_num_batched_tokens;
   const int32_t bs = config_.block_size;
@@ -1010,13 +1037,17 @@ int32_t Scheduler::add_steady_decode_rows(Batch& b, int32_t s) {
   int64_t* __restrict slots = b.slot_mapping.data();
   int32_t* __restrict block_starts = b.new_block_starts.data();
   int32_t* __restrict block_offsets = b.new_block_offsets.data();
+  int32_t* __restrict draft_rows = b.spec_draft_tokens.data();
   const int32_t first_row = b.num_rows;
   const int32_t shipped_before = block_offsets[first_row];  // no row of the run ships a block
   int32_t row = first_row;
   int32_t t = b.num_tokens;
-  for (; s >= 0 && row < max_rows && t < max_tokens; s = links[s].next) {
+  for (; s >= 0 && row < max_rows; s = links[s].next) {
     Request& r = requests[s];
-    if (!is_steady_decode_row<kPow2>(r)) break;
+    const int32_t steady = steady_decode_row_tokens<kSpec, kPow2>(r);
+    if (steady == 0) break;
+    const int32_t n = kSpec ? steady : 1;
+    if (t + n > max_tokens) break;
     const int32_t start = r.num_computed_tokens;
     const int32_t size = r.table_size;
     // A row that held another admission in this buffer (the rows shifted: a request before it
@@ -1029,18 +1060,42 @@ int32_t Scheduler::add_steady_decode_rows(Batch& b, int32_t s) {
     }
     // What begin_row() and add_decode_row() write for such a row; its other columns hold.
     const int32_t offset = kPow2 ? start & (bs - 1) : start % bs;
-    const int64_t base = kPow2 ? int64_t{r.last_block} << shift : int64_t{r.last_block} * bs;
-    scheduled[row] = 1;
+    int64_t block_id = r.last_block;
+    if constexpr (kSpec) {  // the last block, or the one before (steady_decode_row_tokens())
+      const int32_t block = block_in<kPow2>(start);
+      if (block != size - 1) block_id = r.block_table[block];
+    }
+    const int64_t base = kPow2 ? block_id << shift : block_id * bs;
+    scheduled[row] = n;
     cached[row] = start;
     block_starts[row] = size;
     block_offsets[row + 1] = shipped_before;
-    positions[t] = start;
-    slots[t] = base + offset;
     tokens[t] = r.last_token;
-    r.num_computed_tokens = start + 1;
+    if constexpr (kSpec) {
+      // Positions inside one block; the input is the last token, then the drafts it verifies
+      // (all K but near the position limit), which the draft row repeats, -1 padded.
+      // K is fixed at compile time: the loops unroll to a compare and a store or two a token.
+      const int32_t* __restrict proposed = r.drafts.data();
+      int32_t* __restrict drafts = draft_rows + static_cast<size_t>(row) * K;
+      for (int32_t j = 0; j <= K; ++j) {
+        if (j < n) {
+          positions[t + j] = start + j;
+          slots[t + j] = base + offset + j;
+        }
+      }
+      for (int32_t j = 0; j < K; ++j) {
+        const bool verified = j < n - 1;
+        drafts[j] = verified ? proposed[j] : -1;
+        if (verified) tokens[t + 1 + j] = proposed[j];
+      }
+    } else {
+      positions[t] = start;
+      slots[t] = base + offset;
+    }
+    r.num_computed_tokens = start + n;
     r.num_inflight = 1;
     ++row;
-    ++t;
+    t += n;
   }
   // Its byte columns after the loop: no slot starts afresh, every row is exact.
   std::fill(b.slot_reset.begin() + first_row, b.slot_reset.begin() + row, 0);

@@ -276,17 +276,21 @@ class Scheduler {
   void derive_row_columns(Batch& b) const;
   template <bool kSpec, bool kPow2>
   void add_decode_row(Batch& b, int32_t slot, int32_t num_tokens);
-  /// K = 0 decode rows in the steady state (synchronous, no block to reserve or ship) change
-  /// only their counts, positions, slots and input tokens, and their owner columns and block
-  /// table where the row held another request: adds the run of such rows from running request
-  /// `s` (within the row and token budgets) writing only those, and returns the request that
-  /// ended the run (-1: the list did).
-  template <bool kPow2>
+  /// Decode rows in the steady state (synchronous, no block to reserve or ship) change only
+  /// their counts, positions, slots and input tokens (and drafts), and their owner columns and
+  /// block table where the row held another request: adds the run of such rows from running
+  /// request `s` (within the row and token budgets) writing only those, and returns the request
+  /// that ended the run (-1: the list did). Compiled per K (0..8), so a row's draft loops
+  /// unroll; add_steady_spec_rows() picks the K > 0 one.
+  template <int K, bool kPow2>
   int32_t add_steady_decode_rows(Batch& b, int32_t s);
-  /// Whether request `r`'s K = 0 decode row is steady (the rule add_steady_decode_rows() runs
-  /// on): synchronous, nothing to reserve or ship.
   template <bool kPow2>
-  [[nodiscard]] bool is_steady_decode_row(const Request& r) const;
+  int32_t add_steady_spec_rows(Batch& b, int32_t s);
+  /// The tokens of request `r`'s decode row if it is steady (the rule add_steady_decode_rows()
+  /// runs on: synchronous, its positions inside the last block it holds, every block shipped),
+  /// else 0.
+  template <bool kSpec, bool kPow2>
+  [[nodiscard]] int32_t steady_decode_row_tokens(const Request& r) const;
   /// The columns a row copies from its request when it changes owner (the request's constants).
   void write_owner_columns(Batch& b, int32_t row, const Request& r, int32_t slot);
   template <bool kPow2>
