@@ -85,3 +85,14 @@ def test_engine_path_rows_time_the_step_and_the_outputs():
     objects = bench.decode_step(16, 20, 3, check=True, stream=bench._stream_objects)
     assert objects.key == "engine_16_objects" and objects.budget is None
     assert bench.BUDGETS["engine_1024"] == 40.0
+
+
+def test_admission_times_a_second_round_on_the_same_scheduler():
+    """The admission row times the round after a first one on the same scheduler (every request
+    aborted and the prefix cache reset in between): check mode verifies both rounds' batches,
+    outputs and cache hits, and the first round's time is reported beside it."""
+    r = bench.admission(2, 0, check=True, num_prompts=16, prompt_len=64, shared_len=32,
+                        budget_tokens=256)
+    assert r.key == "admission" and r.checked and r.reps == 2
+    assert r.info["prefix_hit_tokens"] == 32 * r.info["prefix_hit_prompts"] > 0
+    assert r.info["first_round_median_us"] > 0 and r.median > 0
