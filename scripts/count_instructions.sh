@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Instructions of the core's step path, counted by callgrind (machine-independent, unlike the
-# timings): per decode row at several sizes and K, and for the admission workload; and the bytes
+# timings): per decode row at several sizes and K, for the admission workload and per step of the
+# preemption workload (scheduler_bench's preempt_256, the steps alone); and the bytes
 # a decode row moves from beyond a 1 MB cache (callgrind's cache simulator: a 32 KB L1 and a 1 MB
 # last level, this machine's L2), at 16,384 running where the records outgrow it.
 # With the package installed (make install), also the Python fixed cost of a step: the
@@ -32,6 +33,8 @@ echo "decode, 16384 running, K=0: $((misses * 64 / rows)) bytes per row from bey
 ir=$(count admission)
 tokens=$(grep -oP 'tokens \K[0-9]+' "$out/stdout")
 echo "admission, 256 x 1,024-token prompts: $ir instructions ($(awk "BEGIN{printf \"%.1f\", $ir/$tokens}") per computed token)"
+ir=$(count preemption 2000)
+echo "preemption pressure, 256 live requests: $((ir / 2000)) instructions per step ($(grep -oP 'preemptions \K[0-9]+' "$out/stdout") preemptions in 2,000 steps)"
 py=${PYTHON:-$PWD/.venv/bin/python}
 # (From /: here the source tree's atom_sched, without the compiled module, would shadow it.)
 if (cd / && "$py" -c "import atom_sched._core") 2>/dev/null; then
