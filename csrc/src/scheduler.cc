@@ -44,7 +44,9 @@ Scheduler::Scheduler(SchedulerConfig config)
       pool_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching,
             config_.enable_kv_events, config_.num_state_slots) {
   const size_t rows = config_.max_num_seqs;
-  const size_t tokens = config_.max_num_batched_tokens;
+  // The per-token arrays have K slack entries past the token budget: a steady speculative row
+  // writes all K+1 of its slots at once (add_steady_decode_rows()), also when it schedules fewer.
+  const size_t tokens = config_.max_num_batched_tokens + k_;
   for (Batch& b : batches_) {
     b.block_table_width = table_width_;
     b.req_ids.resize(rows);
@@ -1074,19 +1076,17 @@ int32_t Scheduler::add_steady_decode_rows(Batch& b, int32_t s) {
     if constexpr (kSpec) {
       // Positions inside one block; the input is the last token, then the drafts it verifies
       // (all K but near the position limit), which the draft row repeats, -1 padded.
-      // K is fixed at compile time: the loops unroll to a compare and a store or two a token.
+      // K is fixed at compile time, and all K+1 token slots are written whether the row
+      // schedules them or not (those past it belong to the next row, which overwrites them, or
+      // lie past the batch's tokens, in the arrays' slack): straight-line code, no branch a
+      // token.
       const int32_t* __restrict proposed = r.drafts.data();
       int32_t* __restrict drafts = draft_rows + static_cast<size_t>(row) * K;
-      for (int32_t j = 0; j <= K; ++j) {
-        if (j < n) {
-          positions[t + j] = start + j;
-          slots[t + j] = base + offset + j;
-        }
-      }
+      store_ramp(positions + t, start, K + 1);
+      store_ramp(slots + t, base + offset, K + 1);
       for (int32_t j = 0; j < K; ++j) {
-        const bool verified = j < n - 1;
-        drafts[j] = verified ? proposed[j] : -1;
-        if (verified) tokens[t + 1 + j] = proposed[j];
+        tokens[t + 1 + j] = proposed[j];
+        drafts[j] = j < n - 1 ? proposed[j] : -1;
       }
     } else {
       positions[t] = start;
