@@ -126,6 +126,22 @@ void Scheduler::validate_outputs(const Batch& b, const ModelOutputs& out) const 
   }
 }
 
+namespace {
+
+// Keeps the `k` drafts a row proposed for its request's next step. K is small: a plain loop, not
+// a memcpy call. The drafts are a prefix (validated), so the proposed ones are those >= 0.
+[[gnu::always_inline]] inline void keep_drafts(Request& r, const int32_t* d, int32_t k) {
+  int32_t* kept = r.drafts.data();
+  int32_t proposed = 0;
+  for (int32_t j = 0; j < k; ++j) {
+    kept[j] = d[j];
+    proposed += d[j] >= 0;
+  }
+  r.num_drafts = proposed;
+}
+
+}  // namespace
+
 void Scheduler::publish_blocks(Request& r, int32_t end) {
   ensure_block_hashes(r, end);
   pool_.publish(r.block_table, r.block_hashes, r.tokens, r.blocks_published, end, r.lora_name,
@@ -262,15 +278,7 @@ void Scheduler::apply_plain_spec_rows(const Batch& b, const ModelOutputs& out,
     drafted += n - 1;
     accepted_drafts += a - 1;
     ++acceptance_counts[a - 1];
-    // The drafts proposed for its next step: a prefix (validated), so those >= 0.
-    const int32_t* d = drafts + static_cast<size_t>(row) * k;
-    int32_t* kept_drafts = r.drafts.data();
-    int32_t proposed = 0;
-    for (int32_t j = 0; j < k; ++j) {
-      kept_drafts[j] = d[j];
-      proposed += d[j] >= 0;
-    }
-    r.num_drafts = proposed;
+    keep_drafts(r, drafts + static_cast<size_t>(row) * k, k);
     // The accepted tokens one by one; the earliest stop wins and later tokens are dropped.
     const int32_t* t = sampled + static_cast<size_t>(row) * (k + 1);
     FinishReason reason = FinishReason::kNone;
@@ -333,18 +341,8 @@ template <bool kSpec>
       ++stats_.acceptance_counts[accepted - 1];
     }
   }
-  if (kSpec && running) {
-    // K is small: a plain loop, not a memcpy call. The drafts are a prefix (validated), so the
-    // proposed ones are those >= 0.
-    const int32_t* d = out.draft_token_ids.data() + static_cast<size_t>(row) * k_;
-    int32_t* kept_drafts = r.drafts.data();
-    int32_t proposed = 0;
-    for (int32_t j = 0; j < k_; ++j) {
-      kept_drafts[j] = d[j];
-      proposed += d[j] >= 0;
-    }
-    r.num_drafts = proposed;
-  }
+  if (kSpec && running)
+    keep_drafts(r, out.draft_token_ids.data() + static_cast<size_t>(row) * k_, k_);
 
   // Append the accepted tokens one by one; the earliest stop wins and later tokens are dropped.
   // Tokens known but not streamed yet (a remote prefill's first token) go out with them.
