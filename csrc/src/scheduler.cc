@@ -1075,11 +1075,10 @@ int32_t Scheduler::add_steady_decode_rows(Batch& b, int32_t s) {
     tokens[t] = r.last_token;
     if constexpr (kSpec) {
       // Positions inside one block; the input is the last token, then the drafts it verifies
-      // (all K but near the position limit), which the draft row repeats, -1 padded.
-      // K is fixed at compile time, and all K+1 token slots are written whether the row
-      // schedules them or not (those past it belong to the next row, which overwrites them, or
-      // lie past the batch's tokens, in the arrays' slack): straight-line code, no branch a
-      // token.
+      // (all K but near the position limit), which the draft row repeats, -1 padded. K is
+      // fixed at compile time and all K+1 token slots are written, whether the row schedules
+      // them or not: straight-line code, no branch a token. (Slots past the row belong to the
+      // next row, which overwrites them, or lie past the batch's tokens, in the slack.)
       const int32_t* __restrict proposed = r.drafts.data();
       int32_t* __restrict drafts = draft_rows + static_cast<size_t>(row) * K;
       store_ramp(positions + t, start, K + 1);

@@ -287,8 +287,8 @@ class Scheduler {
   template <bool kPow2>
   int32_t add_steady_spec_rows(Batch& b, int32_t s);
   /// The tokens of request `r`'s decode row if it is steady (the rule add_steady_decode_rows()
-  /// runs on: synchronous, its positions inside the last block it holds, every block shipped),
-  /// else 0.
+  /// runs on: synchronous, its positions inside one block it holds, its last without drafts,
+  /// every block shipped), else 0.
   template <bool kSpec, bool kPow2>
   [[nodiscard]] int32_t steady_decode_row_tokens(const Request& r) const;
   /// The columns a row copies from its request when it changes owner (the request's constants).
