@@ -10,9 +10,12 @@
 //    advance S; then the prefix sums (cu_seqlens);
 //  * update: one pass takes the sampled tokens (last token, count, nothing in flight) and flags
 //    the rows with an event (a length rule, EOS, a completed block); the output columns (ids,
-//    tokens, offsets, finish reasons) are copied as columns; each row's token is appended to its
-//    request's token vector (the scatter the plan keeps); a flagged row's completed block is
-//    hashed (block_hash, as decode-block caching does).
+//    tokens, offsets, finish reasons) are copied as columns; each row's token is appended; a
+//    flagged row's completed block is hashed (block_hash, as decode-block caching does).
+// The second argument says where a token is appended: 0, to its request's token vector (the
+// scatter steps 2-4 of the plan keep); 1, to a 16-token slot of its row in one array beside the
+// hot fields, a completed block moved to the request's vector and hashed from there (the plan's
+// last step).
 // Left out, so the figure is a floor of the plan rather than its cost: the block pool's publish
 // of the hashed block (about 12 instructions a row amortised in the scheduler today), the output
 // validation (about 2) and the Python binding.
@@ -37,6 +40,7 @@ struct HotRows {  // the running set's hot fields, row order
   std::vector<uint8_t> inflight;
   std::vector<int64_t> ids;
   std::vector<std::vector<int32_t>> tokens;  // per request, reserved
+  std::vector<int32_t> block_tokens;         // [rows, 16]: the block being filled (per-row mode)
 };
 
 struct Columns {  // the batch and output columns a step writes
@@ -112,6 +116,7 @@ struct Columns {  // the batch and output columns a step writes
 
 void BM_PlannedSteadyPasses(benchmark::State& state) {
   const int32_t n = static_cast<int32_t>(state.range(0));
+  const bool per_row_tokens = state.range(1) != 0;
   std::mt19937 rng(7);
   HotRows h;
   Columns c;
@@ -129,17 +134,24 @@ void BM_PlannedSteadyPasses(benchmark::State& state) {
   c.out_ids.resize(n);
   c.reasons.resize(n);
   h.tokens.resize(n);
+  h.block_tokens.resize(static_cast<size_t>(n) * kBlockSize);
   int32_t next_block = 1;
   for (int32_t i = 0; i < n; ++i) {  // staggered lengths: one row in 16 crosses a block a step
     const int32_t len = 32 + static_cast<int32_t>(rng() % kBlockSize);
     h.tokens[i].reserve(4096);
-    for (int32_t j = 0; j < len; ++j) h.tokens[i].push_back(3 + static_cast<int32_t>(rng() % 30000));
+    for (int32_t j = 0; j < len; ++j) {
+      const int32_t t = 3 + static_cast<int32_t>(rng() % 30000);
+      if (per_row_tokens && j >= len / kBlockSize * kBlockSize)
+        h.block_tokens[static_cast<size_t>(i) * kBlockSize + j % kBlockSize] = t;
+      else
+        h.tokens[i].push_back(t);
+      h.last_token[i] = t;
+    }
     h.count[i] = len;
     h.computed[i] = len - 1;
-    h.last_token[i] = h.tokens[i].back();
     h.covered[i] = (len + kBlockSize - 1) / kBlockSize * kBlockSize;
     h.last_block[i] = next_block++;
-    h.event_length[i] = h.covered[i] + 1;  // the next completed block
+    h.event_length[i] = (len / kBlockSize + 1) * kBlockSize;  // its block completes
     h.ids[i] = i;
   }
   std::vector<int32_t> sampled(n);
@@ -164,13 +176,25 @@ void BM_PlannedSteadyPasses(benchmark::State& state) {
     std::copy_n(sampled.data(), n, c.out_tokens.data());
     std::iota(c.out_offsets.begin(), c.out_offsets.end(), 0);
     std::fill(c.reasons.begin(), c.reasons.end(), 0);
-    for (int32_t i = 0; i < n; ++i) h.tokens[i].push_back(sampled[i]);  // the scatter
+    if (per_row_tokens) {  // a column-like store: row i's slot of its block
+      int32_t* __restrict block_tokens = h.block_tokens.data();
+      for (int32_t i = 0; i < n; ++i)
+        block_tokens[static_cast<size_t>(i) * kBlockSize + ((h.count[i] - 1) & (kBlockSize - 1))] =
+            sampled[i];
+    } else {
+      for (int32_t i = 0; i < n; ++i) h.tokens[i].push_back(sampled[i]);  // the scatter
+    }
     for (int32_t j = 0; j < num_flagged; ++j) {  // completed blocks: hash (publish left out)
       const int32_t i = flagged[j];
-      const std::vector<int32_t>& tk = h.tokens[i];
-      const size_t end = static_cast<size_t>(h.count[i] - 1) / kBlockSize * kBlockSize;
+      if (h.count[i] < h.event_length[i]) continue;  // flagged for an EOS: no block completed
+      std::vector<int32_t>& tk = h.tokens[i];
+      if (per_row_tokens) {  // the block moves to the request's vector
+        const int32_t* block = h.block_tokens.data() + static_cast<size_t>(i) * kBlockSize;
+        tk.insert(tk.end(), block, block + kBlockSize);
+      }
       hash_sink ^= atom_sched::block_hash(
-          std::span<const int32_t>(tk.data() + end - kBlockSize, kBlockSize), hash_sink);
+          std::span<const int32_t>(tk.data() + h.event_length[i] - kBlockSize, kBlockSize),
+          hash_sink);
       h.event_length[i] += kBlockSize;
     }
     benchmark::DoNotOptimize(c.out_ids.data());
@@ -178,10 +202,11 @@ void BM_PlannedSteadyPasses(benchmark::State& state) {
     for (int32_t i = 0; i < n; ++i) sampled[i] = (sampled[i] * 1103515245 + 12345) & 0x7fff;
     if (++steps % 2048 == 0) {  // keep the token vectors within their reserve
       for (int32_t i = 0; i < n; ++i) {
-        h.tokens[i].resize(h.count[i] = 32 + (h.count[i] & (kBlockSize - 1)));
+        h.count[i] = 32 + (h.count[i] & (kBlockSize - 1));
+        h.tokens[i].resize(per_row_tokens ? 32 : h.count[i]);
         h.computed[i] = h.count[i] - 1;
         h.covered[i] = (h.count[i] + kBlockSize - 1) / kBlockSize * kBlockSize;
-        h.event_length[i] = h.covered[i] + 1;
+        h.event_length[i] = (h.count[i] / kBlockSize + 1) * kBlockSize;
       }
     }
   }
@@ -191,9 +216,7 @@ void BM_PlannedSteadyPasses(benchmark::State& state) {
       benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
 BENCHMARK(BM_PlannedSteadyPasses)
-    ->Arg(1024)
-    ->Arg(4096)
-    ->Arg(16384)
+    ->ArgsProduct({{1024, 4096, 16384}, {0, 1}})
     ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
