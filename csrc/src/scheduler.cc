@@ -778,20 +778,9 @@ void Scheduler::begin_batch(Batch& b) {
 
 namespace {
 
-// Positions and KV slots of a row's `n` tokens from `start`, the first at `offset` in the block
-// `*table` (its slot base `base`). The index runs in 64 bits, so the vectorised loops add to
-// int64 lanes instead of widening int32 ones.
+// Positions and KV slots of a row's tokens. The values run in 64 bits, so the vector stores add
+// to int64 lanes instead of widening int32 ones.
 //
-// fill_positions_run: `n` tokens inside one block (a decode row with drafts), inline.
-[[gnu::always_inline]] inline void fill_positions_run(int64_t* __restrict positions,
-                                                      int64_t* __restrict slots, int64_t start,
-                                                      int64_t slot0, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    positions[i] = start + i;
-    slots[i] = slot0 + i;
-  }
-}
-
 // store_ramp: dst[i] = first + i for i < n, four lanes a store (one AVX2 store, or two SSE2
 // ones in the baseline build). Written with a vector type: the loop vectoriser, given a block's
 // 16 slots, unrolls them into scalar stores or pays a prologue and an epilogue per block.
@@ -919,7 +908,8 @@ template <bool kPow2>
     positions[0] = start;
     slots[0] = base + offset;
   } else if (offset + num_tokens <= bs) {  // a decode row with drafts, within one block
-    fill_positions_run(positions, slots, start, base + offset, num_tokens);
+    store_ramp(positions, start, num_tokens);
+    store_ramp(slots, base + offset, num_tokens);
   } else {
     fill_positions(positions, slots, start, num_tokens, r.block_table.data() + block, offset, base,
                    bs);
@@ -991,17 +981,13 @@ template <bool kSpec, bool kPow2>
   const bool synchronous = start >= r.prefill_target &&
                            (r.num_inflight | r.num_unstreamed) == 0 &&
                            start == r.token_count - 1 && r.blocks_shipped == size;
-  if constexpr (!kSpec) {
-    // One token, below the position limit, in the last block (decode_row_tokens() without
-    // drafts, written out so that the run's check is one expression).
-    return synchronous && start < position_limit_ && block_in<kPow2>(start) == size - 1;
-  }
   if (!synchronous) return 0;
   // decode_row_tokens(), which with nothing in flight caps the tokens at the position limit and
-  // at the drafts proposed. The block may be the one before the last, when rejected drafts left
-  // the last block reserved but empty.
+  // at the drafts proposed. Without drafts the block is the last; with drafts it may be the one
+  // before, when rejected drafts left the last block reserved but empty.
   const int32_t n = decode_row_tokens<kSpec>(r);
   const int32_t block = block_in<kPow2>(start);
+  if constexpr (!kSpec) return n > 0 && block == size - 1;
   return n > 0 && block == block_in<kPow2>(start + n - 1) && block < size ? n : 0;
 }
 
