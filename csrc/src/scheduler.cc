@@ -94,6 +94,9 @@ Scheduler::Scheduler(SchedulerConfig config)
   slot_by_id_.reserve(rows * 2);
   victim_refs_.assign(config_.num_blocks, 0);
   partial_.reserve(rows);
+  // Room for the holes a step leaves (squeeze_running() keeps them under a 32nd).
+  running_.reserve(2 * static_cast<size_t>(rows));
+  steady_.resize(running_.capacity());
 }
 
 int32_t Scheduler::new_slot() {
@@ -137,7 +140,7 @@ const Request& Scheduler::request(int64_t id) const {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Intrusive lists (waiting, running): O(1) push, pop and removal from the middle.
+// Intrusive lists (the waiting queues): O(1) push, pop and removal from the middle.
 
 void Scheduler::list_insert_after(List& l, int32_t after, int32_t slot) {
   Link& r = links_[slot];
@@ -185,8 +188,111 @@ std::vector<int64_t> Scheduler::waiting_ids() const {
 
 std::vector<int64_t> Scheduler::running_ids() const {
   std::vector<int64_t> out;
-  for (int32_t s = running_.head; s >= 0; s = links_[s].next) out.push_back(requests_[s].id);
+  out.reserve(num_running());
+  for (int32_t s : running_)
+    if (s != kRunningHole) out.push_back(requests_[s].id);
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The running set: an array in service order, walked by index on the step path.
+
+void Scheduler::add_running(int32_t slot) {
+  Request& r = requests_[slot];
+  const ServiceOrder order{config_.scheduling};
+  // Within the capacity reserved at construction: at most max_num_seqs live entries, and the
+  // holes go first when it is full.
+  if (order.sorted() || running_.size() == running_.capacity()) squeeze_running(/*always=*/true);
+  size_t at = running_.size();
+  // Sorted: from the back (an admission comes after most of the running set), in an array
+  // without holes; the requests after it move up one. FCFS: at the back.
+  if (order.sorted())
+    while (at > 0 && order(r, requests_[running_[at - 1]])) --at;
+  running_.insert(running_.begin() + static_cast<std::ptrdiff_t>(at), slot);
+  for (size_t i = running_.size() - 1; i > at; --i) {
+    steady_.move(i - 1, i);
+    requests_[running_[i]].run_pos = static_cast<int32_t>(i);
+  }
+  r.run_pos = static_cast<int32_t>(at);
+  sync_steady(r);
+}
+
+void Scheduler::remove_running(Request& r) {
+  const int32_t pos = r.run_pos;
+  r.run_pos = -1;
+  if (pos + 1 < static_cast<int32_t>(running_.size())) {
+    running_[pos] = kRunningHole;
+    steady_.bound[pos] = 0;  // a steady run stops at a hole
+    ++running_holes_;
+    return;
+  }
+  running_.pop_back();  // the tail (a preemption's victim): no hole, nor any before it
+  while (!running_.empty() && running_.back() == kRunningHole) {
+    running_.pop_back();
+    --running_holes_;
+  }
+}
+
+void Scheduler::squeeze_running(bool always) {
+  if (running_holes_ == 0 || (!always && running_holes_ * 32 < static_cast<int32_t>(running_.size())))
+    return;
+  size_t n = 0;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    const int32_t s = running_[i];
+    if (s == kRunningHole) continue;
+    requests_[s].run_pos = static_cast<int32_t>(n);
+    steady_.move(i, n);
+    running_[n++] = s;
+  }
+  running_.resize(n);
+  running_holes_ = 0;
+}
+
+void Scheduler::SteadyRows::resize(size_t n) {
+  bound.resize(n);
+  computed.resize(n);
+  token_count.resize(n);
+  last_token.resize(n);
+  table_size.resize(n);
+  slot_delta.resize(n);
+  epoch.resize(n);
+}
+
+void Scheduler::SteadyRows::move(size_t from, size_t to) {
+  bound[to] = bound[from];
+  computed[to] = computed[from];
+  token_count[to] = token_count[from];
+  last_token[to] = last_token[from];
+  table_size[to] = table_size[from];
+  slot_delta[to] = slot_delta[from];
+  epoch[to] = epoch[from];
+}
+
+int32_t Scheduler::steady_bound(const Request& r) const {
+  // Every condition but the position holds from one step to the next while the request runs
+  // steady rows (a row adds a position and a token in flight, its output turns the token in
+  // flight into a known one), so one bound serves every step until a path that changes more
+  // calls sync_steady().
+  const int32_t start = r.num_computed_tokens;
+  const int32_t size = r.table_size;
+  const int32_t bs = config_.block_size;
+  const bool steady = r.status == RequestStatus::kRunning && start >= r.prefill_target &&
+                      r.num_unstreamed == 0 && start == r.token_count - 1 + r.num_inflight &&
+                      r.blocks_shipped == size && size > 0 && start >= (size - 1) * bs;
+  return steady ? std::min(size * bs, position_limit_) : 0;
+}
+
+void Scheduler::sync_steady(const Request& r) {
+  if (k_ > 0) return;
+  const size_t p = r.run_pos;
+  SteadyRows& h = steady_;
+  h.bound[p] = steady_bound(r);
+  h.computed[p] = r.num_computed_tokens;
+  h.token_count[p] = r.token_count;
+  h.last_token[p] = r.last_token;
+  h.table_size[p] = r.table_size;
+  h.slot_delta[p] = (int64_t{r.last_block} - (r.table_size - 1)) * config_.block_size;
+  h.epoch[p] = r.epoch;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -289,6 +395,7 @@ void Scheduler::abort_request(int64_t id) {
   if (slot < 0) throw UnknownRequest("unknown request id " + id_str(id));
   ++stats_.num_aborted;
   finish(slot, FinishReason::kAborted, -1);
+  squeeze_running();
 }
 
 void Scheduler::preempt_request(int64_t id) {
@@ -303,6 +410,7 @@ void Scheduler::preempt_request(int64_t id) {
                           ", not running");
   }
   preempt(slot);
+  squeeze_running();
 }
 
 void Scheduler::track_partial(int32_t slot) {
@@ -324,7 +432,7 @@ void Scheduler::finish(int32_t slot, FinishReason reason, int32_t stop_token) {
   Request& r = requests_[slot];
   if (r.is_partial_prefill()) untrack_partial(slot);
   if (r.status == RequestStatus::kRunning) {
-    list_remove(running_, slot);
+    remove_running(r);
   } else if (r.status == RequestStatus::kWaitingForRemoteKv) {
     list_remove(remote_waiting_, slot);
   } else {
@@ -414,7 +522,7 @@ bool Scheduler::passed_delay(double now) {
   for (int32_t s = waiting_.head; s >= 0; s = links_[s].next)
     oldest = std::min(oldest, requests_[s].arrival_time);
   return (now - oldest) > config_.scheduler_delay_factor * last_prompt_latency_ ||
-         running_.size == 0;
+         num_running() == 0;
 }
 
 PrefillChunk Scheduler::prefill_chunk() const {
@@ -442,7 +550,7 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
   if (config_.scheduler_delay_factor > 0 && !passed_delay(now)) return;
   const int32_t bs = config_.block_size;
   const bool needs_state = config_.num_state_slots > 0;
-  while (waiting_.size > 0 && b.num_rows < max_rows && running_.size < max_rows &&
+  while (waiting_.size > 0 && b.num_rows < max_rows && num_running() < max_rows &&
          b.num_tokens < budget) {
     const int32_t s = waiting_.head;
     Request& r = requests_[s];
@@ -512,7 +620,7 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
     take_device_slot(r);
     r.num_computed_tokens = hits * bs;
     r.status = RequestStatus::kRunning;
-    enqueue(running_, s);
+    add_running(s);
     track_partial(s);  // always partial here: the last block is never a hit
     add_prefill_row(b, s, chunk);
   }
@@ -523,7 +631,7 @@ void Scheduler::admit_remote_ready() {
   // joins the decode set whatever the delayer or the delay factor say, and whatever blocks the
   // head of `waiting` (ATOM rotated such requests through `waiting`, where a blocked head could
   // hold them back forever while they held the very blocks it needed).
-  for (int32_t s = remote_waiting_.head; s >= 0 && running_.size < config_.max_num_seqs;) {
+  for (int32_t s = remote_waiting_.head; s >= 0 && num_running() < config_.max_num_seqs;) {
     const int32_t next = links_[s].next;
     if (requests_[s].remote_ready) {
       list_remove(remote_waiting_, s);
@@ -556,7 +664,7 @@ int32_t Scheduler::count_admittable_head_prefills(int32_t limit) {
   for (int32_t s = waiting_.head; s >= 0 && probed < 4 && count < limit && tokens < budget;
        s = links_[s].next, ++probed) {
     Request& r = requests_[s];
-    if (running_.size + count >= config_.max_num_seqs) break;
+    if (num_running() + count >= config_.max_num_seqs) break;
     if (unschedulable_reason(r)) continue;  // the loop rejects it: it blocks nothing
     if (r.num_inflight > 0) break;
     ensure_block_hashes(r, probe_blocks(r));
@@ -605,19 +713,24 @@ template <bool kSpec>
 }
 
 int32_t Scheduler::preemption_victim() const {
-  // Running is kept in service order (enqueue): the request served last is its tail.
-  return running_.tail;
+  // Running is kept in service order (add_running): the request served last is its tail (never
+  // a hole).
+  return running_.back();
 }
 
-bool Scheduler::preemption_can_free(int32_t slot, int32_t missing) {
-  // Victims are taken as preemption_victim() takes them: from the tail, towards `slot`.
+bool Scheduler::preemption_can_free(size_t at, int32_t missing) {
+  // Victims are taken as preemption_victim() takes them: from the tail, towards running_[at].
   int32_t room = pool_.num_free_blocks();
-  int32_t v = running_.tail;
-  for (; v != slot && room < missing; v = links_[v].prev)
-    for (int32_t blk : requests_[v].block_table)
+  size_t v = running_.size();
+  for (; v > at + 1 && room < missing; --v) {
+    if (running_[v - 1] == kRunningHole) continue;
+    for (int32_t blk : requests_[running_[v - 1]].block_table)
       if (++victim_refs_[blk] == pool_.ref_count(blk)) ++room;  // held by victims only
-  for (int32_t u = running_.tail; u != v; u = links_[u].prev)
-    for (int32_t blk : requests_[u].block_table) victim_refs_[blk] = 0;
+  }
+  for (size_t u = v; u < running_.size(); ++u) {
+    if (running_[u] == kRunningHole) continue;
+    for (int32_t blk : requests_[running_[u]].block_table) victim_refs_[blk] = 0;
+  }
   return room >= missing;
 }
 
@@ -631,24 +744,23 @@ int32_t Scheduler::schedule_decodes(Batch& b) {
 template <bool kSpec, bool kPow2>
 int32_t Scheduler::schedule_decode_rows(Batch& b) {
   const int32_t first_row = b.num_rows;
-  for (int32_t s = running_.head; s >= 0;) {
-    if (b.num_rows < config_.max_num_seqs &&
-        steady_decode_row_tokens<kSpec, kPow2>(requests_[s]) > 0) {
+  // running_ may shrink inside the loop (preemptions take its tail): its size is read each time.
+  for (size_t i = 0; i < running_.size(); ++i) {
+    if (running_[i] == kRunningHole) continue;
+    const bool steady = kSpec ? steady_decode_row_tokens<kSpec, kPow2>(requests_[running_[i]]) > 0
+                              : steady_.steady(i);
+    if (b.num_rows < config_.max_num_seqs && steady) {
       // The run of steady rows from here.
-      s = kSpec ? add_steady_spec_rows<kPow2>(b, s) : add_steady_decode_rows<0, kPow2>(b, s);
-      if (s < 0) break;
+      i = kSpec ? add_steady_spec_rows<kPow2>(b, i) : add_steady_rows(b, i);
+      if (i == running_.size()) break;
+      if (running_[i] == kRunningHole) continue;
     }
     if (b.num_rows >= config_.max_num_seqs) break;
+    const int32_t s = running_[i];
     Request& r = requests_[s];
-    if (r.is_partial_prefill()) {  // never decode a half-prefilled prompt (8.3)
-      s = links_[s].next;
-      continue;
-    }
+    if (r.is_partial_prefill()) continue;  // never decode a half-prefilled prompt (8.3)
     const int32_t n = decode_row_tokens<kSpec>(r);
-    if (n == 0) {
-      s = links_[s].next;
-      continue;
-    }
+    if (n == 0) continue;
     if (b.num_tokens + n > config_.max_num_batched_tokens) break;
     // Exact reservation for this row's positions S .. S+n-1 (ATOM over- or under-reserved,
     // 8.6/8.7).
@@ -658,12 +770,9 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
       // Blocks held where no preemption reaches (rows before it, requests waiting for a
       // transfer): with an empty batch, preempting would change the state and still schedule
       // nothing, so the request keeps its blocks and waits; later requests may still run.
-      if (b.num_rows == 0 && !preemption_can_free(s, needed - have)) {
-        s = links_[s].next;
-        continue;
-      }
+      if (b.num_rows == 0 && !preemption_can_free(i, needed - have)) continue;
       // Recompute preemption, LIFO: the tail of running. Rows already in this batch sit before
-      // `s` in the list, so they are never victims.
+      // `s` in the set, so they are never victims.
       bool preempted_self = false;
       while (!pool_.grow(r.block_table, needed)) {
         const int32_t victim = preemption_victim();
@@ -677,7 +786,6 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
     }
     if (have < needed) r.table_changed();  // it grew (had it preempted itself, the loop left)
     add_decode_row<kSpec, kPow2>(b, s, n);
-    s = links_[s].next;
   }
   // Every decode row emits a token: the kind columns in one pass, not a store each per row.
   std::fill(b.row_is_prefill.begin() + first_row, b.row_is_prefill.begin() + b.num_rows, 0);
@@ -702,7 +810,7 @@ void Scheduler::release_kv(Request& r, bool keep_blocks) {
 void Scheduler::preempt(int32_t slot) {
   Request& r = requests_[slot];
   if (r.is_partial_prefill()) untrack_partial(slot);
-  list_remove(running_, slot);
+  remove_running(r);
   release_kv(r);
   // Only real tokens are ever kept, so nothing needs stripping (ATOM left placeholders, 8.1).
   // Outputs of a batch still in flight are appended when they arrive.
@@ -721,7 +829,7 @@ const Batch* Scheduler::schedule(double now, bool allow_prefill) {
     throw InvalidArgument("schedule(): " + std::to_string(kMaxOutstandingBatches) +
                           " batches are outstanding; pass the oldest to update() first");
   admit_remote_ready();
-  if (waiting_.size == 0 && running_.size == 0) return nullptr;
+  if (waiting_.size == 0 && num_running() == 0) return nullptr;
   // The buffer still holds the batch before the outstanding one, whose views stay valid until
   // this call returns a batch: keep its header if this call returns none.
   Batch& b = batches_[next_buffer_];
@@ -969,10 +1077,13 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   // A prefill row has no drafts: in a mixed batch its spec_draft_tokens read -1.
   std::fill_n(b.spec_draft_tokens.data() + static_cast<size_t>(row) * k_, k_, -1);
   ++r.num_inflight;
+  sync_steady(r);
 }
 
 template <bool kSpec, bool kPow2>
 [[gnu::always_inline]] inline int32_t Scheduler::steady_decode_row_tokens(const Request& r) const {
+  // Without drafts: the rule of steady_bound(), which the columns in steady_ hold.
+  if constexpr (!kSpec) return steady_now(r);
   const int32_t start = r.num_computed_tokens;
   const int32_t size = r.table_size;
   // Its prompt all scheduled, synchronous (nothing in flight or to stream: the input is its last
@@ -987,28 +1098,103 @@ template <bool kSpec, bool kPow2>
   // before, when rejected drafts left the last block reserved but empty.
   const int32_t n = decode_row_tokens<kSpec>(r);
   const int32_t block = block_in<kPow2>(start);
-  if constexpr (!kSpec) return n > 0 && block == size - 1;
   return n > 0 && block == block_in<kPow2>(start + n - 1) && block < size ? n : 0;
 }
 
+size_t Scheduler::add_steady_rows(Batch& b, size_t at) {
+  // The run: the entries from `at` whose columns say steady (a hole or a request that is not
+  // ends it), one row and one token each, within both budgets.
+  SteadyRows& h = steady_;
+  const int32_t row0 = b.num_rows;
+  const int32_t t0 = b.num_tokens;
+  const size_t room = static_cast<size_t>(std::min(config_.max_num_seqs - row0,
+                                                   config_.max_num_batched_tokens - t0));
+  const size_t limit = std::min(running_.size(), at + room);
+  size_t end = at;
+  for (; end + 8 <= limit; end += 8) {  // eight entries a test (vectorised), then one by one
+    // steady() in lanes: nonzero when an entry is not (computed >= bound: the sign of
+    // bound - computed - 1; or not synchronous).
+    int32_t not_steady = 0;
+    for (size_t j = end; j < end + 8; ++j)
+      not_steady |= ((h.bound[j] - h.computed[j] - 1) & std::numeric_limits<int32_t>::min()) |
+                    ((h.computed[j] + 1) ^ h.token_count[j]);
+    if (not_steady != 0) break;
+  }
+  while (end < limit && h.steady(end)) ++end;
+  const int32_t n = static_cast<int32_t>(end - at);
+  if (n == 0) return at;
+  // The run's columns, each a pass over the steady columns (these vectorise). A row's other
+  // columns hold from the last time its buffer held the same admission.
+  int32_t* __restrict computed = h.computed.data() + at;
+  const int32_t* __restrict last = h.last_token.data() + at;
+  const int32_t* __restrict size = h.table_size.data() + at;
+  const int64_t* __restrict delta = h.slot_delta.data() + at;
+  int32_t* __restrict scheduled = b.num_scheduled_tokens.data() + row0;
+  int32_t* __restrict cached = b.num_cached_tokens.data() + row0;
+  int32_t* __restrict block_starts = b.new_block_starts.data() + row0;
+  int32_t* __restrict block_offsets = b.new_block_offsets.data() + row0 + 1;
+  int32_t* __restrict tokens = b.scheduled_tokens.data() + t0;
+  int64_t* __restrict positions = b.positions.data() + t0;
+  int64_t* __restrict slots = b.slot_mapping.data() + t0;
+  const int32_t shipped_before = block_offsets[-1];  // no row of the run ships a block
+  for (int32_t i = 0; i < n; ++i) scheduled[i] = 1;
+  for (int32_t i = 0; i < n; ++i) cached[i] = computed[i];
+  for (int32_t i = 0; i < n; ++i) block_starts[i] = size[i];
+  for (int32_t i = 0; i < n; ++i) block_offsets[i] = shipped_before;
+  for (int32_t i = 0; i < n; ++i) tokens[i] = last[i];
+  for (int32_t i = 0; i < n; ++i) positions[i] = computed[i];
+  for (int32_t i = 0; i < n; ++i) slots[i] = computed[i] + delta[i];
+  std::fill_n(b.slot_reset.begin() + row0, n, 0);  // no slot starts afresh
+  std::fill_n(b.row_exact.begin() + row0, n, 1);   // every input is known
+  // Rows that held another admission in this buffer (they shifted: a request before them left)
+  // take this one's constant columns and block table; a row whose table grew, its new blocks.
+  const uint64_t* __restrict epoch = h.epoch.data() + at;
+  const uint64_t* __restrict owner = b.row_owner.data() + row0;
+  const int32_t* __restrict filled = b.row_filled.data() + row0;
+  // A test of every row first, in two vectorised passes: in the steady state, none.
+  uint64_t owners_differ = 0;
+  int32_t fills_differ = 0;
+  for (int32_t i = 0; i < n; ++i) owners_differ |= owner[i] ^ epoch[i];
+  for (int32_t i = 0; i < n; ++i) fills_differ |= filled[i] ^ size[i];
+  for (int32_t i = 0; (owners_differ | static_cast<uint64_t>(fills_differ)) != 0 && i < n; ++i) {
+    const int32_t row = row0 + i;
+    const bool same_owner = b.row_owner[row] == epoch[i];
+    if (same_owner && b.row_filled[row] == size[i]) continue;
+    const int32_t s = running_[at + i];
+    if (!same_owner) write_owner_columns(b, row, requests_[s], s);
+    fill_block_table_row(b, row, requests_[s], same_owner);
+  }
+  // A position each, and the token in flight: the columns, then the requests themselves.
+  for (int32_t i = 0; i < n; ++i) computed[i] += 1;
+  const int32_t* __restrict running = running_.data() + at;
+  for (int32_t i = 0; i < n; ++i) {
+    Request& r = requests_[running[i]];
+    r.num_computed_tokens = computed[i];
+    r.num_inflight = 1;
+  }
+  b.num_rows = row0 + n;
+  b.num_tokens = t0 + n;
+  return end;
+}
+
 template <bool kPow2>
-int32_t Scheduler::add_steady_spec_rows(Batch& b, int32_t s) {
+size_t Scheduler::add_steady_spec_rows(Batch& b, size_t at) {
   static_assert(kMaxSpeculativeTokens == 8, "one case per K below");
   switch (k_) {
-    case 1: return add_steady_decode_rows<1, kPow2>(b, s);
-    case 2: return add_steady_decode_rows<2, kPow2>(b, s);
-    case 3: return add_steady_decode_rows<3, kPow2>(b, s);
-    case 4: return add_steady_decode_rows<4, kPow2>(b, s);
-    case 5: return add_steady_decode_rows<5, kPow2>(b, s);
-    case 6: return add_steady_decode_rows<6, kPow2>(b, s);
-    case 7: return add_steady_decode_rows<7, kPow2>(b, s);
-    case 8: return add_steady_decode_rows<8, kPow2>(b, s);
-    default: return s;  // config validation keeps K in 0..8
+    case 1: return add_steady_decode_rows<1, kPow2>(b, at);
+    case 2: return add_steady_decode_rows<2, kPow2>(b, at);
+    case 3: return add_steady_decode_rows<3, kPow2>(b, at);
+    case 4: return add_steady_decode_rows<4, kPow2>(b, at);
+    case 5: return add_steady_decode_rows<5, kPow2>(b, at);
+    case 6: return add_steady_decode_rows<6, kPow2>(b, at);
+    case 7: return add_steady_decode_rows<7, kPow2>(b, at);
+    case 8: return add_steady_decode_rows<8, kPow2>(b, at);
+    default: return at;  // config validation keeps K in 0..8
   }
 }
 
 template <int K, bool kPow2>
-int32_t Scheduler::add_steady_decode_rows(Batch& b, int32_t s) {
+size_t Scheduler::add_steady_decode_rows(Batch& b, size_t at) {
   // A tight loop: the columns and limits in locals (no byte store inside, so nothing is
   // reloaded), the byte columns and the batch's counts written at the end.
   constexpr bool kSpec = K > 0;
@@ -1016,7 +1202,8 @@ int32_t Scheduler::add_steady_decode_rows(Batch& b, int32_t s) {
   const int32_t max_tokens = config_.max_num_batched_tokens;
   const int32_t bs = config_.block_size;
   const int32_t shift = block_shift_;
-  const Link* __restrict links = links_.data();
+  const int32_t* __restrict running = running_.data();
+  const size_t num_running = running_.size();
   Request* __restrict requests = requests_.data();
   int32_t* __restrict scheduled = b.num_scheduled_tokens.data();
   int32_t* __restrict cached = b.num_cached_tokens.data();
@@ -1030,7 +1217,9 @@ int32_t Scheduler::add_steady_decode_rows(Batch& b, int32_t s) {
   const int32_t shipped_before = block_offsets[first_row];  // no row of the run ships a block
   int32_t row = first_row;
   int32_t t = b.num_tokens;
-  for (; s >= 0 && row < max_rows; s = links[s].next) {
+  for (; at < num_running && row < max_rows; ++at) {
+    const int32_t s = running[at];
+    if (s == kRunningHole) continue;  // a request that left: the run goes on
     Request& r = requests[s];
     const int32_t steady = steady_decode_row_tokens<kSpec, kPow2>(r);
     if (steady == 0) break;
@@ -1087,7 +1276,7 @@ int32_t Scheduler::add_steady_decode_rows(Batch& b, int32_t s) {
   std::fill(b.row_exact.begin() + first_row, b.row_exact.begin() + row, 1);
   b.num_rows = row;
   b.num_tokens = t;
-  return s;
+  return at;
 }
 
 template <bool kSpec, bool kPow2>
@@ -1115,6 +1304,7 @@ template <bool kSpec, bool kPow2>
   b.num_tokens += n;
   r.num_computed_tokens += n;  // upper bound until the accepted count arrives
   ++r.num_inflight;
+  sync_steady(r);
 }
 
 }  // namespace atom_sched

@@ -126,7 +126,7 @@ void Scheduler::start_remote_decode(int32_t slot) {
     r.num_computed_tokens = r.num_prompt_tokens - 1;
   r.prefill_target = r.num_computed_tokens;
   r.status = RequestStatus::kRunning;
-  enqueue(running_, slot);
+  add_running(slot);
   ++stats_.num_remote_prefills;
 }
 

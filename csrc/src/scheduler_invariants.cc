@@ -111,7 +111,7 @@ void Scheduler::check_invariants() const {
   }
   check(deferred == static_cast<int32_t>(deferred_.size()), "deferred map holds stale ids");
   check(live == static_cast<int32_t>(slot_by_id_.size()), "id map holds dead requests");
-  check(running_.size <= config_.max_num_seqs, "running set exceeds max_num_seqs");
+  check(num_running() <= config_.max_num_seqs, "running set exceeds max_num_seqs");
   const ServiceOrder order{config_.scheduling};
   auto walk = [&](const List& l, RequestStatus status, const char* name) {
     int32_t count = 0, prev = -1;
@@ -129,12 +129,43 @@ void Scheduler::check_invariants() const {
   };
   walk(waiting_, RequestStatus::kWaiting, "waiting");
   walk(remote_waiting_, RequestStatus::kWaitingForRemoteKv, "remote-waiting");
-  walk(running_, RequestStatus::kRunning, "running");
-  std::vector<int32_t> partial;  // the running list's partial prefills, in its order
-  for (int32_t s = running_.head; s >= 0; s = links_[s].next)
+  std::vector<uint8_t> seen(requests_.size(), 0);
+  std::vector<int32_t> partial;  // the running set's partial prefills, in its order
+  int32_t holes = 0, prev = -1;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    const int32_t s = running_[i];
+    if (s == kRunningHole) {
+      ++holes;
+      check(k_ > 0 || steady_.bound[i] == 0, "a hole in the running set takes steady rows");
+      continue;
+    }
+    check(s >= 0 && s < static_cast<int32_t>(requests_.size()) && !seen[s]++,
+          "the running set holds a slot twice or out of range");
+    check(requests_[s].in_use && requests_[s].status == RequestStatus::kRunning,
+          "the running set holds a request in another state");
+    check(requests_[s].run_pos == static_cast<int32_t>(i), "a running request's run_pos is wrong");
+    if (k_ == 0) {  // its steady columns equal what it holds
+      const Request& r = requests_[s];
+      const int32_t bound = steady_bound(r);
+      const int64_t delta = (int64_t{r.last_block} - (r.table_size - 1)) * config_.block_size;
+      check(steady_.bound[i] == bound && steady_.computed[i] == r.num_computed_tokens &&
+                steady_.token_count[i] == r.token_count &&
+                steady_.last_token[i] == r.last_token && steady_.table_size[i] == r.table_size &&
+                steady_.slot_delta[i] == delta && steady_.epoch[i] == r.epoch,
+            "request " + std::to_string(r.id) + "'s steady columns differ from the request");
+      // The columns' rule is the rule (steady_decode_row_tokens()).
+      check(steady_.steady(i) == steady_now(r),
+            "request " + std::to_string(r.id) + "'s steady columns and the steady rule differ");
+    }
+    check(!order.sorted() || prev < 0 || order(requests_[prev], requests_[s]),
+          "the running set is not in service order");
+    prev = s;
     if (requests_[s].is_partial_prefill()) partial.push_back(s);
+  }
+  check(holes == running_holes_ && (running_.empty() || running_.back() != kRunningHole),
+        "the running set's hole count is wrong, or it ends with a hole");
   check(partial == partial_, "the partial prefills are not tracked in running order");
-  check(waiting_.size + remote_waiting_.size + running_.size == live,
+  check(waiting_.size + remote_waiting_.size + num_running() == live,
         "a live request is in no queue");
   check(std::count(device_slot_used.begin(), device_slot_used.end(), 1) == config_.max_num_seqs,
         "a device slot leaked");

@@ -223,6 +223,8 @@ int32_t Scheduler::apply_plain_decode_rows(const Batch& b, const ModelOutputs& o
   int32_t* __restrict stop_tokens = so.stop_tokens.data();
   int32_t* __restrict prefix_hits = so.prefix_hit_tokens.data();
   uint8_t* __restrict wants = so.wants_logprobs.data();
+  int32_t* __restrict last_tokens = steady_.last_token.data();
+  int32_t* __restrict token_counts = steady_.token_count.data();
   int32_t row = 0;
   for (; row < rows; ++row) {
     const int32_t slot = slots[row];
@@ -232,6 +234,10 @@ int32_t Scheduler::apply_plain_decode_rows(const Batch& b, const ModelOutputs& o
     if (r.status != RequestStatus::kRunning || r.num_unstreamed > 0 || prefill[row]) break;
     --r.num_inflight;
     r.append_token(sampled[row]);
+    // Its steady columns: the new token (the bound holds: sync_steady()).
+    const int32_t p = r.run_pos;
+    last_tokens[p] = r.last_token;
+    token_counts[p] = r.token_count;
     int32_t stop_token = -1;
     const FinishReason reason = stop_after_append(r, stop_token);
     publish_decode_blocks(r);
@@ -445,6 +451,12 @@ const StepOutput& Scheduler::update(uint64_t batch_id, const ModelOutputs& out) 
     cursor = {plain, plain};
     for (int32_t row = plain; row < b.num_rows; ++row)
       apply_row_output<false>(b, row, out, width, cursor);
+    // The other rows' requests changed more than the plain rows' columns: their steady columns
+    // again, from the request.
+    for (int32_t row = plain; row < b.num_rows; ++row) {
+      const Request& r = requests_[b.request_index[row]];
+      if (r.run_pos >= 0) sync_steady(r);
+    }
   }
   so.req_ids.resize(cursor.entries);
   so.token_offsets.resize(cursor.entries + 1);
@@ -454,6 +466,7 @@ const StepOutput& Scheduler::update(uint64_t batch_id, const ModelOutputs& out) 
   so.stop_tokens.resize(cursor.entries);
   so.prefix_hit_tokens.resize(cursor.entries);
   so.wants_logprobs.resize(cursor.entries);
+  squeeze_running();
   --num_outstanding_;
   return step_output_;
 }

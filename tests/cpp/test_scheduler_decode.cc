@@ -54,7 +54,7 @@ TEST(RequestLayout, DecodeStepFieldsShareTheirCacheLines) {
   EXPECT_IN_LINE(prefill_target, 0);
   EXPECT_IN_LINE(num_inflight, 0);
   EXPECT_IN_LINE(num_unstreamed, 0);
-  EXPECT_IN_LINE(num_drafts, 0);
+  EXPECT_IN_LINE(run_pos, 0);  // update() finds its steady columns with it
   EXPECT_IN_LINE(stop_length, 0);
   EXPECT_IN_LINE(token_count, 0);
   EXPECT_IN_LINE(last_token, 0);
@@ -73,6 +73,8 @@ TEST(RequestLayout, DecodeStepFieldsShareTheirCacheLines) {
   EXPECT_IN_LINE(block_table, 1);
   EXPECT_IN_LINE(min_tokens, 1);
   EXPECT_IN_LINE(num_prompt_tokens, 1);
+  // A row with drafts reads these with its drafts.
+  EXPECT_IN_LINE(num_drafts, 2);
 #undef EXPECT_IN_LINE
 }
 

@@ -40,7 +40,7 @@ struct alignas(64) Request {
   int32_t prefill_target = 0;       // tokens to prefill at this admission (R when admitted)
   int32_t num_inflight = 0;
   int32_t num_unstreamed = 0;      // trailing tokens known but not streamed yet (an injected T0)
-  int32_t num_drafts = 0;          // leading entries of `drafts` the drafter proposed (<= K)
+  int32_t run_pos = -1;            // its index in the scheduler's running set while running
   int32_t stop_length = 0;         // a length rule ends it once it holds this many tokens
   // Copies of tokens.size(), tokens.back(), block_table.size() and block_table.back(), so that
   // a row reads neither vector: kept by append_token(), set_tokens() and table_changed(), and
@@ -64,6 +64,7 @@ struct alignas(64) Request {
 
   // Line 2: MTP drafts, and the columns a row copies when it changes owner.
   std::vector<int32_t> drafts;        // K drafts proposed with the last output, -1 padded
+  int32_t num_drafts = 0;          // leading entries of `drafts` the drafter proposed (<= K)
   int32_t device_slot = -1;         // 0..max_num_seqs-1 while admitted
   int32_t state_slot = -1;
   float temperature = 1.0f;

@@ -174,14 +174,16 @@ class Scheduler {
   [[nodiscard]] int32_t num_waiting() const noexcept {
     return waiting_.size + remote_waiting_.size;
   }
-  [[nodiscard]] int32_t num_running() const noexcept { return running_.size; }
+  [[nodiscard]] int32_t num_running() const noexcept {
+    return static_cast<int32_t>(running_.size()) - running_holes_;
+  }
   /// Running requests whose prompt is not fully scheduled yet (chunked prefill).
   [[nodiscard]] int32_t num_partial_prefills() const noexcept {
     return static_cast<int32_t>(partial_.size());
   }
   [[nodiscard]] int32_t num_outstanding_batches() const noexcept { return num_outstanding_; }
   [[nodiscard]] bool has_unfinished_requests() const noexcept {
-    return waiting_.size + remote_waiting_.size + running_.size > 0;
+    return waiting_.size + remote_waiting_.size + num_running() > 0;
   }
   /// The request `id` while its id is in use: live (waiting or running), or finished with its
   /// KV blocks kept for a connector's transfer (status kFinished) until
@@ -200,7 +202,7 @@ class Scheduler {
   void check_invariants() const;
 
  private:
-  struct List {  // intrusive doubly linked list over request slots
+  struct List {  // intrusive doubly linked list over request slots (the waiting queues)
     int32_t head = -1, tail = -1, size = 0;
   };
   struct Link {  // a request slot's neighbours in its list; -1 ends it
@@ -219,6 +221,53 @@ class Scheduler {
   /// head for a preempted request returning to waiting (ATOM resumes it first).
   void enqueue(List& l, int32_t slot, bool preempted = false);
   void list_remove(List& l, int32_t slot);
+
+  // The running set (running_): an array of request slots in service order, walked by index on
+  // the step path. A request joins it where the ServiceOrder puts it (under FCFS, at the back);
+  // one that leaves (a finish, a preemption) leaves a hole (kRunningHole) at its position
+  // (Request::run_pos), unless it was the tail, which is popped with the holes before it. The
+  // holes are squeezed out between calls once they are a 32nd of the array, so a step's
+  // finishes cost O(1) each and the walks skip few holes.
+  static constexpr int32_t kRunningHole = -1;
+  void add_running(int32_t slot);
+  void remove_running(Request& r);
+  void squeeze_running(bool always = false);  // drops the holes (when sparse, unless `always`)
+
+  // The steady rows of a K = 0 step, as columns (steady_): for each position of running_, the
+  // fields the steady pass of schedule() reads and writes, equal to the request's own. Request
+  // stays the record every path reads; this copy lets the pass write a run of rows column by
+  // column instead of one record a row. Paths that change a running request other than the
+  // steady pass and the plain rows of update() call sync_steady(); check_invariants() compares
+  // the copies. Unused (and not kept) when K > 0.
+  struct SteadyRows {
+    std::vector<int32_t> bound;       // steady_bound() (0 at a hole)
+    std::vector<int32_t> computed;    // num_computed_tokens
+    std::vector<int32_t> token_count;
+    std::vector<int32_t> last_token;
+    std::vector<int32_t> table_size;
+    std::vector<int64_t> slot_delta;  // KV slot of a position in its last block, less the position
+    std::vector<uint64_t> epoch;
+    void resize(size_t n);
+    void move(size_t from, size_t to);  // entry `from` to `to`
+    /// Whether entry p takes a steady row now: below its bound, and synchronous (nothing in
+    /// flight: without drafts, each row in flight is a position computed and no token yet).
+    [[nodiscard]] bool steady(size_t p) const noexcept {
+      return (computed[p] < bound[p]) & (computed[p] + 1 == token_count[p]);
+    }
+  };
+  /// A steady K = 0 row stays steady, a position a step, while its position is below this (0:
+  /// not steady): its prompt all scheduled, nothing to stream, its input its last token (once
+  /// its rows in flight land), every block shipped, its position in the last block it holds, and
+  /// below the position limit.
+  [[nodiscard]] int32_t steady_bound(const Request& r) const;
+  /// Whether a running request takes a steady K = 0 row now (SteadyRows::steady() on the copies).
+  [[nodiscard]] bool steady_now(const Request& r) const {
+    return r.num_inflight == 0 && r.num_computed_tokens < steady_bound(r);
+  }
+  void sync_steady(const Request& r);  // steady_ at r.run_pos from r (K = 0 only)
+  /// The steady K = 0 rows from running_[at] on, within the row and token budgets, written as
+  /// columns; returns the index in running_ that ended the run.
+  size_t add_steady_rows(Batch& b, size_t at);
 
   // Policy.
   [[nodiscard]] std::optional<std::string> unschedulable_reason(const Request& r) const;
@@ -253,9 +302,9 @@ class Scheduler {
   [[nodiscard]] PrefillChunk prefill_chunk() const;
   /// The running request preempted first: the one served last (policy.h's ServiceOrder).
   [[nodiscard]] int32_t preemption_victim() const;
-  /// Whether preempting every running request after `slot` would free `missing` blocks (blocks
-  /// shared with others stay).
-  [[nodiscard]] bool preemption_can_free(int32_t slot, int32_t missing);
+  /// Whether preempting every running request after running_[at] would free `missing` blocks
+  /// (blocks shared with others stay).
+  [[nodiscard]] bool preemption_can_free(size_t at, int32_t missing);
   void preempt(int32_t slot);
   void reject(int32_t slot, std::string reason);  // finished as unschedulable, reported
   void take_device_slot(Request& r);
@@ -278,14 +327,14 @@ class Scheduler {
   void add_decode_row(Batch& b, int32_t slot, int32_t num_tokens);
   /// Decode rows in the steady state (synchronous, no block to reserve or ship) change only
   /// their counts, positions, slots and input tokens (and drafts), and their owner columns and
-  /// block table where the row held another request: adds the run of such rows from running
-  /// request `s` (within the row and token budgets) writing only those, and returns the request
-  /// that ended the run (-1: the list did). Compiled per K (0..8), so a row's draft loops
+  /// block table where the row held another request: adds the run of such rows from running_[at]
+  /// on (within the row and token budgets) writing only those, and returns the index in running_
+  /// that ended the run (its size: the set did). Compiled per K (0..8), so a row's draft loops
   /// unroll; add_steady_spec_rows() picks the K > 0 one.
   template <int K, bool kPow2>
-  int32_t add_steady_decode_rows(Batch& b, int32_t s);
+  size_t add_steady_decode_rows(Batch& b, size_t at);
   template <bool kPow2>
-  int32_t add_steady_spec_rows(Batch& b, int32_t s);
+  size_t add_steady_spec_rows(Batch& b, size_t at);
   /// The tokens of request `r`'s decode row if it is steady (the rule add_steady_decode_rows()
   /// runs on: synchronous, its positions inside one block it holds, its last without drafts,
   /// every block shipped), else 0.
@@ -351,10 +400,13 @@ class Scheduler {
   BlockPool pool_;
 
   std::vector<Request> requests_;  // slots; reused
-  std::vector<Link> links_;        // [slot]: waiting/running list links, kept apart (compact)
+  std::vector<Link> links_;        // [slot]: waiting list links, kept apart (compact)
   std::vector<int32_t> free_slots_;
   std::unordered_map<int64_t, int32_t> slot_by_id_;  // live requests only
-  List waiting_, running_;
+  List waiting_;
+  std::vector<int32_t> running_;   // running request slots in service order, with holes
+  int32_t running_holes_ = 0;      // kRunningHole entries in running_ (never its last)
+  SteadyRows steady_;              // [position in running_], capacity running_.capacity()
   List remote_waiting_;  // kWaitingForRemoteKv requests, in arrival order
 
   BatchBuffers batches_;
