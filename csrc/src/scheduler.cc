@@ -234,8 +234,8 @@ void Scheduler::remove_running(Request& r) {
 }
 
 void Scheduler::squeeze_running(bool always) {
-  if (running_holes_ == 0 || (!always && running_holes_ * 32 < static_cast<int32_t>(running_.size())))
-    return;
+  const bool sparse = running_holes_ * 32 < static_cast<int32_t>(running_.size());
+  if (running_holes_ == 0 || (!always && sparse)) return;
   size_t n = 0;
   for (size_t i = 0; i < running_.size(); ++i) {
     const int32_t s = running_[i];
@@ -1088,7 +1088,7 @@ template <bool kSpec, bool kPow2>
   const int32_t size = r.table_size;
   // Its prompt all scheduled, synchronous (nothing in flight or to stream: the input is its last
   // token, then its drafts), every block shipped to its device slot, and its positions all in
-  // one block it holds: no KV to reserve. (Every request on the running list is running.)
+  // one block it holds: no KV to reserve. (Every request in the running set is running.)
   const bool synchronous = start >= r.prefill_target &&
                            (r.num_inflight | r.num_unstreamed) == 0 &&
                            start == r.token_count - 1 && r.blocks_shipped == size;

@@ -27,8 +27,9 @@ enum class RequestStatus : uint8_t { kWaiting, kRunning, kFinished, kWaitingForR
 struct alignas(64) Request {
   // Grouped by the cache lines a steady decode step touches, so that a row costs two or three
   // lines of its request (plus its token tail) rather than five: at thousands of running
-  // requests these records outgrow the L2 and each line is a miss. The queue links live outside,
-  // in Scheduler::links_, so walking the running list does not chain misses through records.
+  // requests these records outgrow the L2 and each line is a miss. The queues live outside (the
+  // waiting links, the running set's array), so walking one does not chain misses through
+  // records.
   //
   // Line 0 (64 bytes): everything a steady decode row reads or writes in schedule() (which then
   // touches no other line of the record), and the flags and counters update() needs besides.

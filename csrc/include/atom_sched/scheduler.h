@@ -325,19 +325,19 @@ class Scheduler {
   void derive_row_columns(Batch& b) const;
   template <bool kSpec, bool kPow2>
   void add_decode_row(Batch& b, int32_t slot, int32_t num_tokens);
-  /// Decode rows in the steady state (synchronous, no block to reserve or ship) change only
-  /// their counts, positions, slots and input tokens (and drafts), and their owner columns and
-  /// block table where the row held another request: adds the run of such rows from running_[at]
-  /// on (within the row and token budgets) writing only those, and returns the index in running_
-  /// that ended the run (its size: the set did). Compiled per K (0..8), so a row's draft loops
-  /// unroll; add_steady_spec_rows() picks the K > 0 one.
+  /// Decode rows with drafts in the steady state (synchronous, no block to reserve or ship)
+  /// change only their counts, positions, slots, input tokens and drafts, and their owner
+  /// columns and block table where the row held another request: adds the run of such rows from
+  /// running_[at] on (within the row and token budgets) writing only those, and returns the
+  /// index in running_ that ended the run (its size: the set did). Compiled per K (1..8), so a
+  /// row's draft loops unroll; add_steady_spec_rows() picks the one. (K = 0: add_steady_rows().)
   template <int K, bool kPow2>
   size_t add_steady_decode_rows(Batch& b, size_t at);
   template <bool kPow2>
   size_t add_steady_spec_rows(Batch& b, size_t at);
   /// The tokens of request `r`'s decode row if it is steady (the rule add_steady_decode_rows()
   /// runs on: synchronous, its positions inside one block it holds, its last without drafts,
-  /// every block shipped), else 0.
+  /// every block shipped), else 0. Without drafts, steady_now().
   template <bool kSpec, bool kPow2>
   [[nodiscard]] int32_t steady_decode_row_tokens(const Request& r) const;
   /// The columns a row copies from its request when it changes owner (the request's constants).
