@@ -222,7 +222,7 @@ void Scheduler::remove_running(Request& r) {
   r.run_pos = -1;
   if (pos + 1 < static_cast<int32_t>(running_.size())) {
     running_[pos] = kRunningHole;
-    steady_.bound[pos] = 0;  // a steady run stops at a hole
+    steady_.bound[pos] = steady_.reach[pos] = 0;  // a steady run stops at a hole
     ++running_holes_;
     return;
   }
@@ -250,6 +250,7 @@ void Scheduler::squeeze_running(bool always) {
 
 void Scheduler::SteadyRows::resize(size_t n) {
   bound.resize(n);
+  reach.resize(n);
   computed.resize(n);
   token_count.resize(n);
   last_token.resize(n);
@@ -260,6 +261,7 @@ void Scheduler::SteadyRows::resize(size_t n) {
 
 void Scheduler::SteadyRows::move(size_t from, size_t to) {
   bound[to] = bound[from];
+  reach[to] = reach[from];
   computed[to] = computed[from];
   token_count[to] = token_count[from];
   last_token[to] = last_token[from];
@@ -286,7 +288,9 @@ void Scheduler::sync_steady(const Request& r) {
   if (k_ > 0) return;
   const size_t p = r.run_pos;
   SteadyRows& h = steady_;
-  h.bound[p] = steady_bound(r);
+  const int32_t bound = steady_bound(r);
+  h.bound[p] = bound;
+  h.reach[p] = bound + static_cast<int32_t>(bound > 0 && bound < position_limit_);
   h.computed[p] = r.num_computed_tokens;
   h.token_count[p] = r.token_count;
   h.last_token[p] = r.last_token;
@@ -748,7 +752,7 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
   for (size_t i = 0; i < running_.size(); ++i) {
     if (running_[i] == kRunningHole) continue;
     const bool steady = kSpec ? steady_decode_row_tokens<kSpec, kPow2>(requests_[running_[i]]) > 0
-                              : steady_.steady(i);
+                              : steady_.takes_row(i);
     if (b.num_rows < config_.max_num_seqs && steady) {
       // The run of steady rows from here.
       i = kSpec ? add_steady_spec_rows<kPow2>(b, i) : add_steady_rows(b, i);
@@ -1102,8 +1106,8 @@ template <bool kSpec, bool kPow2>
 }
 
 size_t Scheduler::add_steady_rows(Batch& b, size_t at) {
-  // The run: the entries from `at` whose columns say steady (a hole or a request that is not
-  // ends it), one row and one token each, within both budgets.
+  // The run: the entries from `at` whose columns say steady, or steady after a block more (a
+  // hole or another request ends it), one row and one token each, within both budgets.
   SteadyRows& h = steady_;
   const int32_t row0 = b.num_rows;
   const int32_t t0 = b.num_tokens;
@@ -1112,23 +1116,19 @@ size_t Scheduler::add_steady_rows(Batch& b, size_t at) {
   const size_t limit = std::min(running_.size(), at + room);
   size_t end = at;
   for (; end + 8 <= limit; end += 8) {  // eight entries a test (vectorised), then one by one
-    // steady() in lanes: nonzero when an entry is not (computed >= bound: the sign of
-    // bound - computed - 1; or not synchronous).
-    int32_t not_steady = 0;
+    // takes_row() in lanes: nonzero where an entry does not (computed >= reach: the sign of
+    // reach - computed - 1; or not synchronous).
+    int32_t not_taken = 0;
     for (size_t j = end; j < end + 8; ++j)
-      not_steady |= ((h.bound[j] - h.computed[j] - 1) & std::numeric_limits<int32_t>::min()) |
-                    ((h.computed[j] + 1) ^ h.token_count[j]);
-    if (not_steady != 0) break;
+      not_taken |= ((h.reach[j] - h.computed[j] - 1) & std::numeric_limits<int32_t>::min()) |
+                   ((h.computed[j] + 1) ^ h.token_count[j]);
+    if (not_taken != 0) break;
   }
-  while (end < limit && h.steady(end)) ++end;
-  const int32_t n = static_cast<int32_t>(end - at);
+  while (end < limit && h.takes_row(end)) ++end;
+  int32_t n = static_cast<int32_t>(end - at);
   if (n == 0) return at;
   // The run's columns, each a pass over the steady columns (these vectorise). A row's other
   // columns hold from the last time its buffer held the same admission.
-  int32_t* __restrict computed = h.computed.data() + at;
-  const int32_t* __restrict last = h.last_token.data() + at;
-  const int32_t* __restrict size = h.table_size.data() + at;
-  const int64_t* __restrict delta = h.slot_delta.data() + at;
   int32_t* __restrict scheduled = b.num_scheduled_tokens.data() + row0;
   int32_t* __restrict cached = b.num_cached_tokens.data() + row0;
   int32_t* __restrict block_starts = b.new_block_starts.data() + row0;
@@ -1136,11 +1136,40 @@ size_t Scheduler::add_steady_rows(Batch& b, size_t at) {
   int32_t* __restrict tokens = b.scheduled_tokens.data() + t0;
   int64_t* __restrict positions = b.positions.data() + t0;
   int64_t* __restrict slots = b.slot_mapping.data() + t0;
-  const int32_t shipped_before = block_offsets[-1];  // no row of the run ships a block
+  // Every block the request held is on its device slot: a row's new blocks start at its size.
+  std::copy_n(h.table_size.begin() + static_cast<std::ptrdiff_t>(at), n, block_starts);
+  // The rows at their bound take and ship their next block (in order, as the general path
+  // would: the pool hands out the same blocks). Without a free block the run ends before the
+  // row, and the general path preempts for it.
+  int32_t crossings = 0;  // its sign: some row is at its bound
+  for (size_t p = at; p < end; ++p) crossings |= h.bound[p] - h.computed[p] - 1;
+  int32_t shipped = block_offsets[-1];
+  if (crossings >= 0) {
+    for (int32_t i = 0; i < n; ++i) block_offsets[i] = shipped;
+  } else {
+    for (int32_t i = 0; i < n; ++i) {
+      if (h.computed[at + i] == h.bound[at + i]) {
+        Request& r = requests_[running_[at + i]];
+        if (!pool_.grow(r.block_table, r.table_size + 1)) {
+          n = i;
+          end = at + i;
+          break;
+        }
+        r.table_changed();
+        b.new_block_ids[shipped++] = r.last_block;
+        r.blocks_shipped = r.table_size;
+        sync_steady(r);  // its size, slot offset and bound with the block
+      }
+      block_offsets[i] = shipped;
+    }
+    if (n == 0) return at;
+  }
+  int32_t* __restrict computed = h.computed.data() + at;
+  const int32_t* __restrict last = h.last_token.data() + at;
+  const int32_t* __restrict size = h.table_size.data() + at;
+  const int64_t* __restrict delta = h.slot_delta.data() + at;
   for (int32_t i = 0; i < n; ++i) scheduled[i] = 1;
   for (int32_t i = 0; i < n; ++i) cached[i] = computed[i];
-  for (int32_t i = 0; i < n; ++i) block_starts[i] = size[i];
-  for (int32_t i = 0; i < n; ++i) block_offsets[i] = shipped_before;
   for (int32_t i = 0; i < n; ++i) tokens[i] = last[i];
   for (int32_t i = 0; i < n; ++i) positions[i] = computed[i];
   for (int32_t i = 0; i < n; ++i) slots[i] = computed[i] + delta[i];

@@ -136,7 +136,8 @@ void Scheduler::check_invariants() const {
     const int32_t s = running_[i];
     if (s == kRunningHole) {
       ++holes;
-      check(k_ > 0 || steady_.bound[i] == 0, "a hole in the running set takes steady rows");
+      check(k_ > 0 || (steady_.bound[i] == 0 && steady_.reach[i] == 0),
+            "a hole in the running set takes steady rows");
       continue;
     }
     check(s >= 0 && s < static_cast<int32_t>(requests_.size()) && !seen[s]++,
@@ -148,7 +149,9 @@ void Scheduler::check_invariants() const {
       const Request& r = requests_[s];
       const int32_t bound = steady_bound(r);
       const int64_t delta = (int64_t{r.last_block} - (r.table_size - 1)) * config_.block_size;
-      check(steady_.bound[i] == bound && steady_.computed[i] == r.num_computed_tokens &&
+      const int32_t reach = bound + static_cast<int32_t>(bound > 0 && bound < position_limit_);
+      check(steady_.bound[i] == bound && steady_.reach[i] == reach &&
+                steady_.computed[i] == r.num_computed_tokens &&
                 steady_.token_count[i] == r.token_count &&
                 steady_.last_token[i] == r.last_token && steady_.table_size[i] == r.table_size &&
                 steady_.slot_delta[i] == delta && steady_.epoch[i] == r.epoch,

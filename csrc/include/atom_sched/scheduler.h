@@ -241,6 +241,7 @@ class Scheduler {
   // the copies. Unused (and not kept) when K > 0.
   struct SteadyRows {
     std::vector<int32_t> bound;       // steady_bound() (0 at a hole)
+    std::vector<int32_t> reach;       // bound, + 1 when a row at it may take the next block
     std::vector<int32_t> computed;    // num_computed_tokens
     std::vector<int32_t> token_count;
     std::vector<int32_t> last_token;
@@ -254,6 +255,11 @@ class Scheduler {
     [[nodiscard]] bool steady(size_t p) const noexcept {
       return (computed[p] < bound[p]) & (computed[p] + 1 == token_count[p]);
     }
+    /// Whether it takes one, maybe after a block more (its position the first of the next
+    /// block): steady, or steady once the block is in its table and shipped.
+    [[nodiscard]] bool takes_row(size_t p) const noexcept {
+      return (computed[p] < reach[p]) & (computed[p] + 1 == token_count[p]);
+    }
   };
   /// A steady K = 0 row stays steady, a position a step, while its position is below this (0:
   /// not steady): its prompt all scheduled, nothing to stream, its input its last token (once
@@ -266,7 +272,8 @@ class Scheduler {
   }
   void sync_steady(const Request& r);  // steady_ at r.run_pos from r (K = 0 only)
   /// The steady K = 0 rows from running_[at] on, within the row and token budgets, written as
-  /// columns; returns the index in running_ that ended the run.
+  /// columns (a row at a block's end takes its next block first, while the pool has one);
+  /// returns the index in running_ that ended the run.
   size_t add_steady_rows(Batch& b, size_t at);
 
   // Policy.
