@@ -1231,8 +1231,8 @@ size_t Scheduler::add_steady_decode_rows(Batch& b, size_t at) {
   const int32_t max_tokens = config_.max_num_batched_tokens;
   const int32_t bs = config_.block_size;
   const int32_t shift = block_shift_;
-  const int32_t* __restrict running = running_.data();
-  const size_t num_running = running_.size();
+  const int32_t* __restrict entry = running_.data() + at;
+  const int32_t* const entries_end = running_.data() + running_.size();
   Request* __restrict requests = requests_.data();
   int32_t* __restrict scheduled = b.num_scheduled_tokens.data();
   int32_t* __restrict cached = b.num_cached_tokens.data();
@@ -1246,9 +1246,9 @@ size_t Scheduler::add_steady_decode_rows(Batch& b, size_t at) {
   const int32_t shipped_before = block_offsets[first_row];  // no row of the run ships a block
   int32_t row = first_row;
   int32_t t = b.num_tokens;
-  for (; at < num_running && row < max_rows; ++at) {
-    const int32_t s = running[at];
-    if (s == kRunningHole) continue;  // a request that left: the run goes on
+  for (; entry != entries_end && row < max_rows; ++entry) {
+    const int32_t s = *entry;
+    if (s == kRunningHole) break;  // the caller steps over it
     Request& r = requests[s];
     const int32_t steady = steady_decode_row_tokens<kSpec, kPow2>(r);
     if (steady == 0) break;
@@ -1305,7 +1305,7 @@ size_t Scheduler::add_steady_decode_rows(Batch& b, size_t at) {
   std::fill(b.row_exact.begin() + first_row, b.row_exact.begin() + row, 1);
   b.num_rows = row;
   b.num_tokens = t;
-  return at;
+  return static_cast<size_t>(entry - running_.data());
 }
 
 template <bool kSpec, bool kPow2>
