@@ -25,6 +25,12 @@ for args in "1024 0" "4096 0" "16384 0" "256 3" "1024 3"; do
   rows=$(grep -oP 'rows \K[0-9]+' "$out/stdout")
   echo "decode, $1 running, K=$2: $((ir / rows)) instructions per row"
 done
+for args in "1024 0" "1024 3"; do  # requests out of phase: a sixteenth reach a block's end a step
+  set -- $args
+  ir=$(count decode-spread "$1" "$2" 32)
+  rows=$(grep -oP 'rows \K[0-9]+' "$out/stdout")
+  echo "decode, $1 running, K=$2, prompts of 32..47 tokens: $((ir / rows)) instructions per row"
+done
 valgrind --tool=callgrind --instr-atstart=no --cache-sim=yes --D1=32768,8,64 --LL=1048576,16,64 \
   --callgrind-out-file="$out/cg" "$bin" decode 16384 0 32 >"$out/stdout" 2>"$out/stderr"
 misses=$(grep -oP 'LL misses: +\K[0-9,]+' "$out/stderr" | tr -d ,)

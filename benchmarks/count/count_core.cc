@@ -2,7 +2,11 @@
 // the timed figures of this machine vary from hour to hour, instruction counts do not.
 //
 //   atom_sched_count decode N K STEPS   N requests decoding steadily (K drafts a row); STEPS steps
-//                                       counted after a warm-up
+//                                       counted after a warm-up. Their prompts are all 32 tokens,
+//                                       so every row reaches a block's end in the same step
+//   atom_sched_count decode-spread N K STEPS
+//                                       the same with prompts of 32..47 tokens: each step, a
+//                                       sixteenth of the rows reach a block's end (as in serving)
 //   atom_sched_count admission          256 prompts of 1,024 tokens, half sharing 768, admitted
 //                                       under a 16,384-token budget (scheduler_bench's workload)
 //   atom_sched_count preemption STEPS   256 live requests against a pool too small for them all
@@ -39,7 +43,7 @@ std::vector<int32_t> random_tokens(std::mt19937& rng, int n) {
   return v;
 }
 
-int decode(int n, int k, int steps) {
+int decode(int n, int k, int steps, bool spread) {
   SchedulerConfig c;
   c.block_size = 16;
   c.max_num_seqs = n;
@@ -52,7 +56,7 @@ int decode(int n, int k, int steps) {
   SamplingParams sp;
   sp.max_tokens = 4000;
   sp.ignore_eos = true;
-  for (int i = 0; i < n; ++i) s.add_request(i, random_tokens(rng, 32), sp);
+  for (int i = 0; i < n; ++i) s.add_request(i, random_tokens(rng, spread ? 32 + i % 16 : 32), sp);
   // Every row accepts 2 tokens when K > 0 (so the rolled-back count changes every step).
   std::vector<int32_t> sampled(size_t(n) * (k + 1), 7), drafts(size_t(n) * k, 8), accepted(n, 2);
   auto step = [&] {
@@ -164,10 +168,14 @@ int preemption(int steps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc == 5 && std::strcmp(argv[1], "decode") == 0)
-    return decode(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]));
+  const bool spread = argc == 5 && std::strcmp(argv[1], "decode-spread") == 0;
+  if (argc == 5 && (spread || std::strcmp(argv[1], "decode") == 0))
+    return decode(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), spread);
   if (argc == 2 && std::strcmp(argv[1], "admission") == 0) return admission();
   if (argc == 3 && std::strcmp(argv[1], "preemption") == 0) return preemption(std::atoi(argv[2]));
-  std::fprintf(stderr, "usage: %s decode N K STEPS | admission | preemption STEPS\n", argv[0]);
+  std::fprintf(stderr,
+               "usage: %s decode N K STEPS | decode-spread N K STEPS | admission | "
+               "preemption STEPS\n",
+               argv[0]);
   return 64;
 }

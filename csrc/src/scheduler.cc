@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 
@@ -257,6 +258,7 @@ void Scheduler::SteadyRows::resize(size_t n) {
   table_size.resize(n);
   slot_delta.resize(n);
   epoch.resize(n);
+  marks.resize(n + 8);  // whole 8-byte words past the last row
 }
 
 void Scheduler::SteadyRows::move(size_t from, size_t to) {
@@ -890,6 +892,26 @@ void Scheduler::begin_batch(Batch& b) {
 
 namespace {
 
+// Calls fn(i) for each i < n with marks[i] != 0, in order, reading the marks eight at a time:
+// the passes that flag rows vectorise, and a step flags few (marks holds n rounded up to 8).
+template <class Fn>
+[[gnu::always_inline]] inline void for_each_marked(const uint8_t* marks, int32_t n, Fn&& fn) {
+  static_assert(std::endian::native == std::endian::little, "byte i of a word is mark i0 + i");
+  const auto word_at = [&](int32_t i0) {
+    uint64_t word;
+    std::memcpy(&word, marks + i0, sizeof word);
+    return word;
+  };
+  int32_t i0 = 0;
+  for (; i0 + 8 <= n; i0 += 8)
+    for (uint64_t word = word_at(i0); word != 0; word &= word - 1)
+      fn(i0 + __builtin_ctzll(word) / 8);
+  if (i0 == n) return;
+  for (uint64_t word = word_at(i0) & (~uint64_t{0} >> (8 * (i0 + 8 - n))); word != 0;
+       word &= word - 1)  // the last bytes before n
+    fn(i0 + __builtin_ctzll(word) / 8);
+}
+
 // Positions and KV slots of a row's tokens. The values run in 64 bits, so the vector stores add
 // to int64 lanes instead of widening int32 ones.
 //
@@ -1105,15 +1127,8 @@ template <bool kSpec, bool kPow2>
   return n > 0 && block == block_in<kPow2>(start + n - 1) && block < size ? n : 0;
 }
 
-size_t Scheduler::add_steady_rows(Batch& b, size_t at) {
-  // The run: the entries from `at` whose columns say steady, or steady after a block more (a
-  // hole or another request ends it), one row and one token each, within both budgets.
-  SteadyRows& h = steady_;
-  const int32_t row0 = b.num_rows;
-  const int32_t t0 = b.num_tokens;
-  const size_t room = static_cast<size_t>(std::min(config_.max_num_seqs - row0,
-                                                   config_.max_num_batched_tokens - t0));
-  const size_t limit = std::min(running_.size(), at + room);
+size_t Scheduler::steady_run_end(size_t at, size_t limit) const {
+  const SteadyRows& h = steady_;
   size_t end = at;
   for (; end + 8 <= limit; end += 8) {  // eight entries a test (vectorised), then one by one
     // takes_row() in lanes: nonzero where an entry does not (computed >= reach: the sign of
@@ -1125,49 +1140,104 @@ size_t Scheduler::add_steady_rows(Batch& b, size_t at) {
     if (not_taken != 0) break;
   }
   while (end < limit && h.takes_row(end)) ++end;
-  int32_t n = static_cast<int32_t>(end - at);
+  return end;
+}
+
+int32_t Scheduler::take_next_blocks(Batch& b, size_t at, int32_t n) {
+  // In order, as the general path would take them: the pool hands out the same blocks. The
+  // shipped-block offsets run on from the batch's so far, one more after each such row.
+  SteadyRows& h = steady_;
+  const int32_t row0 = b.num_rows;
+  int32_t* __restrict offsets = b.new_block_offsets.data() + row0 + 1;
+  int32_t shipped = offsets[-1];
+  const int32_t* __restrict bound = h.bound.data() + at;
+  const int32_t* __restrict computed = h.computed.data() + at;
+  int32_t at_bound = 0;  // its sign: a row of the run is at its bound (a test of them all first)
+  for (int32_t i = 0; i < n; ++i) at_bound |= bound[i] - computed[i] - 1;
+  int32_t offsets_to = 0;  // offsets written below this row
+  if (at_bound < 0) {
+    uint8_t* __restrict marks = h.marks.data();
+    for (int32_t i = 0; i < n; ++i) marks[i] = computed[i] == bound[i];
+    bool out_of_blocks = false;
+    for_each_marked(marks, n, [&](int32_t i) {
+      if (out_of_blocks) return;
+      Request& r = requests_[running_[at + i]];
+      if (!pool_.grow(r.block_table, r.table_size + 1)) {
+        out_of_blocks = true;
+        n = i;
+        return;
+      }
+      r.table_changed();
+      std::fill(offsets + offsets_to, offsets + i, shipped);
+      b.new_block_ids[shipped++] = r.last_block;
+      r.blocks_shipped = r.table_size;
+      sync_steady(r);  // its size, slot offset and bound with the block
+      offsets_to = i;
+    });
+  }
+  std::fill(offsets + offsets_to, offsets + n, shipped);
+  return n;
+}
+
+void Scheduler::refresh_changed_rows(Batch& b, size_t at, int32_t n) {
+  // Rows that held another admission in this buffer (they shifted: a request before them left)
+  // take this one's constant columns and block table; a row whose table grew, its new blocks.
+  // A test of them all first (vectorised). Shifted rows come many at once (every row after the
+  // one that left), so with any, every row is checked; without, the rows whose table grew (a
+  // few: those that took a block this step or the last) are flagged in a pass and fixed one by
+  // one.
+  SteadyRows& h = steady_;
+  const int32_t row0 = b.num_rows;
+  const uint64_t* __restrict epoch = h.epoch.data() + at;
+  const int32_t* __restrict size = h.table_size.data() + at;
+  const uint64_t* __restrict owner = b.row_owner.data() + row0;
+  const int32_t* __restrict filled = b.row_filled.data() + row0;
+  uint64_t owners_differ = 0;
+  int32_t fills_differ = 0;
+  for (int32_t i = 0; i < n; ++i) owners_differ |= owner[i] ^ epoch[i];
+  for (int32_t i = 0; i < n; ++i) fills_differ |= filled[i] ^ size[i];
+  const auto refresh = [&](int32_t i) {
+    const int32_t row = row0 + i;
+    const bool same_owner = owner[i] == epoch[i];
+    if (same_owner && filled[i] == size[i]) return;
+    const int32_t s = running_[at + i];
+    if (!same_owner) write_owner_columns(b, row, requests_[s], s);
+    fill_block_table_row(b, row, requests_[s], same_owner);
+  };
+  if (owners_differ != 0) {
+    for (int32_t i = 0; i < n; ++i) refresh(i);
+  } else if (fills_differ != 0) {
+    uint8_t* __restrict marks = h.marks.data();
+    for (int32_t i = 0; i < n; ++i) marks[i] = filled[i] != size[i];
+    for_each_marked(marks, n, refresh);
+  }
+}
+
+size_t Scheduler::add_steady_rows(Batch& b, size_t at) {
+  // The run: the entries from `at` whose columns say steady, or steady after a block more (a
+  // hole or another request ends it), one row and one token each, within both budgets.
+  const int32_t row0 = b.num_rows;
+  const int32_t t0 = b.num_tokens;
+  const size_t room = static_cast<size_t>(std::min(config_.max_num_seqs - row0,
+                                                   config_.max_num_batched_tokens - t0));
+  int32_t n = static_cast<int32_t>(steady_run_end(at, std::min(running_.size(), at + room)) - at);
+  if (n == 0) return at;
+  // Every block the request held is on its device slot: a row's new blocks start at its size.
+  SteadyRows& h = steady_;
+  std::copy_n(h.table_size.begin() + static_cast<std::ptrdiff_t>(at), n,
+              b.new_block_starts.begin() + row0);
+  n = take_next_blocks(b, at, n);
   if (n == 0) return at;
   // The run's columns, each a pass over the steady columns (these vectorise). A row's other
   // columns hold from the last time its buffer held the same admission.
+  int32_t* __restrict computed = h.computed.data() + at;
+  const int32_t* __restrict last = h.last_token.data() + at;
+  const int64_t* __restrict delta = h.slot_delta.data() + at;
   int32_t* __restrict scheduled = b.num_scheduled_tokens.data() + row0;
   int32_t* __restrict cached = b.num_cached_tokens.data() + row0;
-  int32_t* __restrict block_starts = b.new_block_starts.data() + row0;
-  int32_t* __restrict block_offsets = b.new_block_offsets.data() + row0 + 1;
   int32_t* __restrict tokens = b.scheduled_tokens.data() + t0;
   int64_t* __restrict positions = b.positions.data() + t0;
   int64_t* __restrict slots = b.slot_mapping.data() + t0;
-  // Every block the request held is on its device slot: a row's new blocks start at its size.
-  std::copy_n(h.table_size.begin() + static_cast<std::ptrdiff_t>(at), n, block_starts);
-  // The rows at their bound take and ship their next block (in order, as the general path
-  // would: the pool hands out the same blocks). Without a free block the run ends before the
-  // row, and the general path preempts for it.
-  int32_t crossings = 0;  // its sign: some row is at its bound
-  for (size_t p = at; p < end; ++p) crossings |= h.bound[p] - h.computed[p] - 1;
-  int32_t shipped = block_offsets[-1];
-  if (crossings >= 0) {
-    for (int32_t i = 0; i < n; ++i) block_offsets[i] = shipped;
-  } else {
-    for (int32_t i = 0; i < n; ++i) {
-      if (h.computed[at + i] == h.bound[at + i]) {
-        Request& r = requests_[running_[at + i]];
-        if (!pool_.grow(r.block_table, r.table_size + 1)) {
-          n = i;
-          end = at + i;
-          break;
-        }
-        r.table_changed();
-        b.new_block_ids[shipped++] = r.last_block;
-        r.blocks_shipped = r.table_size;
-        sync_steady(r);  // its size, slot offset and bound with the block
-      }
-      block_offsets[i] = shipped;
-    }
-    if (n == 0) return at;
-  }
-  int32_t* __restrict computed = h.computed.data() + at;
-  const int32_t* __restrict last = h.last_token.data() + at;
-  const int32_t* __restrict size = h.table_size.data() + at;
-  const int64_t* __restrict delta = h.slot_delta.data() + at;
   for (int32_t i = 0; i < n; ++i) scheduled[i] = 1;
   for (int32_t i = 0; i < n; ++i) cached[i] = computed[i];
   for (int32_t i = 0; i < n; ++i) tokens[i] = last[i];
@@ -1175,24 +1245,7 @@ size_t Scheduler::add_steady_rows(Batch& b, size_t at) {
   for (int32_t i = 0; i < n; ++i) slots[i] = computed[i] + delta[i];
   std::fill_n(b.slot_reset.begin() + row0, n, 0);  // no slot starts afresh
   std::fill_n(b.row_exact.begin() + row0, n, 1);   // every input is known
-  // Rows that held another admission in this buffer (they shifted: a request before them left)
-  // take this one's constant columns and block table; a row whose table grew, its new blocks.
-  const uint64_t* __restrict epoch = h.epoch.data() + at;
-  const uint64_t* __restrict owner = b.row_owner.data() + row0;
-  const int32_t* __restrict filled = b.row_filled.data() + row0;
-  // A test of every row first, in two vectorised passes: in the steady state, none.
-  uint64_t owners_differ = 0;
-  int32_t fills_differ = 0;
-  for (int32_t i = 0; i < n; ++i) owners_differ |= owner[i] ^ epoch[i];
-  for (int32_t i = 0; i < n; ++i) fills_differ |= filled[i] ^ size[i];
-  for (int32_t i = 0; (owners_differ | static_cast<uint64_t>(fills_differ)) != 0 && i < n; ++i) {
-    const int32_t row = row0 + i;
-    const bool same_owner = b.row_owner[row] == epoch[i];
-    if (same_owner && b.row_filled[row] == size[i]) continue;
-    const int32_t s = running_[at + i];
-    if (!same_owner) write_owner_columns(b, row, requests_[s], s);
-    fill_block_table_row(b, row, requests_[s], same_owner);
-  }
+  refresh_changed_rows(b, at, n);
   // A position each, and the token in flight: the columns, then the requests themselves.
   for (int32_t i = 0; i < n; ++i) computed[i] += 1;
   const int32_t* __restrict running = running_.data() + at;
@@ -1203,7 +1256,7 @@ size_t Scheduler::add_steady_rows(Batch& b, size_t at) {
   }
   b.num_rows = row0 + n;
   b.num_tokens = t0 + n;
-  return end;
+  return at + static_cast<size_t>(n);
 }
 
 template <bool kPow2>

@@ -248,6 +248,7 @@ class Scheduler {
     std::vector<int32_t> table_size;
     std::vector<int64_t> slot_delta;  // KV slot of a position in its last block, less the position
     std::vector<uint64_t> epoch;
+    std::vector<uint8_t> marks;  // scratch of add_steady_rows(): the rows a pass flags
     void resize(size_t n);
     void move(size_t from, size_t to);  // entry `from` to `to`
     /// Whether entry p takes a steady row now: below its bound, and synchronous (nothing in
@@ -275,6 +276,13 @@ class Scheduler {
   /// columns (a row at a block's end takes its next block first, while the pool has one);
   /// returns the index in running_ that ended the run.
   size_t add_steady_rows(Batch& b, size_t at);
+  /// add_steady_rows()'s parts: the end of the run from `at` (at most `limit`); the run's rows
+  /// at their bound taking and shipping their next block (returns the rows that could: the run
+  /// ends before a row the pool has no block for); the rows whose owner columns or block table
+  /// this buffer holds stale, brought up to date.
+  [[nodiscard]] size_t steady_run_end(size_t at, size_t limit) const;
+  int32_t take_next_blocks(Batch& b, size_t at, int32_t n);
+  void refresh_changed_rows(Batch& b, size_t at, int32_t n);
 
   // Policy.
   [[nodiscard]] std::optional<std::string> unschedulable_reason(const Request& r) const;
