@@ -222,6 +222,8 @@ def test_a_batch_lost_on_the_wire_is_replayed(worker):
     worker.run()
     worker.add(list(range(800, 813)), max_tokens=3)  # a later batch reveals the gap
     worker.run()
+    # The sender thread sends (and loses) the batches after publish() returns: wait for it.
+    assert worker.pub.flush()
     assert lost and worker.pub.stats()["dropped_hwm"] == 1
     worker.check_in_sync([list(range(700, 713)), list(range(800, 811))])
     assert any("Gap detected" in r.get("message", "") for r in worker.idx.log_records())
