@@ -201,9 +201,11 @@ std::vector<int64_t> Scheduler::running_ids() const {
 void Scheduler::add_running(int32_t slot) {
   Request& r = requests_[slot];
   const ServiceOrder order{config_.scheduling};
-  // Within the capacity reserved at construction: at most max_num_seqs live entries, and the
-  // holes go first when it is full.
-  if (order.sorted() || running_.size() == running_.capacity()) squeeze_running(/*always=*/true);
+  // Within the capacity reserved at construction, and the copies' (a copy of the scheduler
+  // reserves none): at most max_num_seqs live entries, and the holes go first when it is full.
+  if (order.sorted() || running_.size() == running_.capacity() ||
+      running_.size() == steady_.bound.size())
+    squeeze_running(/*always=*/true);
   size_t at = running_.size();
   // Sorted: from the back (an admission comes after most of the running set), in an array
   // without holes; the requests after it move up one. FCFS: at the back.

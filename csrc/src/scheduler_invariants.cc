@@ -167,6 +167,7 @@ void Scheduler::check_invariants() const {
   }
   check(holes == running_holes_ && (running_.empty() || running_.back() != kRunningHole),
         "the running set's hole count is wrong, or it ends with a hole");
+  check(running_.size() <= steady_.bound.size(), "the running set outgrew its steady columns");
   check(partial == partial_, "the partial prefills are not tracked in running order");
   check(waiting_.size + remote_waiting_.size + num_running() == live,
         "a live request is in no queue");
