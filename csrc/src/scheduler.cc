@@ -755,8 +755,11 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
   // running_ may shrink inside the loop (preemptions take its tail): its size is read each time.
   for (size_t i = 0; i < running_.size(); ++i) {
     if (running_[i] == kRunningHole) continue;
-    const bool steady = kSpec ? steady_decode_row_tokens<kSpec, kPow2>(requests_[running_[i]]) > 0
-                              : steady_.takes_row(i);
+    bool steady;
+    if constexpr (kSpec)
+      steady = steady_spec_row_tokens<kPow2>(requests_[running_[i]]) > 0;
+    else
+      steady = steady_.takes_row(i);
     if (b.num_rows < config_.max_num_seqs && steady) {
       // The run of steady rows from here.
       i = kSpec ? add_steady_spec_rows<kPow2>(b, i) : add_steady_rows(b, i);
@@ -1108,10 +1111,8 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   sync_steady(r);
 }
 
-template <bool kSpec, bool kPow2>
-[[gnu::always_inline]] inline int32_t Scheduler::steady_decode_row_tokens(const Request& r) const {
-  // Without drafts: the rule of steady_bound(), which the columns in steady_ hold.
-  if constexpr (!kSpec) return steady_now(r);
+template <bool kPow2>
+[[gnu::always_inline]] inline int32_t Scheduler::steady_spec_row_tokens(const Request& r) const {
   const int32_t start = r.num_computed_tokens;
   const int32_t size = r.table_size;
   // Its prompt all scheduled, synchronous (nothing in flight or to stream: the input is its last
@@ -1124,7 +1125,7 @@ template <bool kSpec, bool kPow2>
   // decode_row_tokens(), which with nothing in flight caps the tokens at the position limit and
   // at the drafts proposed. Without drafts the block is the last; with drafts it may be the one
   // before, when rejected drafts left the last block reserved but empty.
-  const int32_t n = decode_row_tokens<kSpec>(r);
+  const int32_t n = decode_row_tokens<true>(r);
   const int32_t block = block_in<kPow2>(start);
   return n > 0 && block == block_in<kPow2>(start + n - 1) && block < size ? n : 0;
 }
@@ -1281,7 +1282,7 @@ template <int K, bool kPow2>
 size_t Scheduler::add_steady_decode_rows(Batch& b, size_t at) {
   // A tight loop: the columns and limits in locals (no byte store inside, so nothing is
   // reloaded), the byte columns and the batch's counts written at the end.
-  constexpr bool kSpec = K > 0;
+  static_assert(K > 0, "K = 0 steady rows: add_steady_rows()");
   const int32_t max_rows = config_.max_num_seqs;
   const int32_t max_tokens = config_.max_num_batched_tokens;
   const int32_t bs = config_.block_size;
@@ -1305,9 +1306,8 @@ size_t Scheduler::add_steady_decode_rows(Batch& b, size_t at) {
     const int32_t s = *entry;
     if (s == kRunningHole) break;  // the caller steps over it
     Request& r = requests[s];
-    const int32_t steady = steady_decode_row_tokens<kSpec, kPow2>(r);
-    if (steady == 0) break;
-    const int32_t n = kSpec ? steady : 1;
+    const int32_t n = steady_spec_row_tokens<kPow2>(r);
+    if (n == 0) break;
     if (t + n > max_tokens) break;
     const int32_t start = r.num_computed_tokens;
     const int32_t size = r.table_size;
@@ -1321,34 +1321,27 @@ size_t Scheduler::add_steady_decode_rows(Batch& b, size_t at) {
     }
     // What begin_row() and add_decode_row() write for such a row; its other columns hold.
     const int32_t offset = kPow2 ? start & (bs - 1) : start % bs;
-    int64_t block_id = r.last_block;
-    if constexpr (kSpec) {  // the last block, or the one before (steady_decode_row_tokens())
-      const int32_t block = block_in<kPow2>(start);
-      if (block != size - 1) block_id = r.block_table[block];
-    }
+    // The last block, or the one before (steady_spec_row_tokens()).
+    const int32_t block = block_in<kPow2>(start);
+    const int64_t block_id = block == size - 1 ? r.last_block : r.block_table[block];
     const int64_t base = kPow2 ? block_id << shift : block_id * bs;
     scheduled[row] = n;
     cached[row] = start;
     block_starts[row] = size;
     block_offsets[row + 1] = shipped_before;
     tokens[t] = r.last_token;
-    if constexpr (kSpec) {
-      // Positions inside one block; the input is the last token, then the drafts it verifies
-      // (all K but near the position limit), which the draft row repeats, -1 padded. K is
-      // fixed at compile time and all K+1 token slots are written, whether the row schedules
-      // them or not: straight-line code, no branch a token. (Slots past the row belong to the
-      // next row, which overwrites them, or lie past the batch's tokens, in the slack.)
-      const int32_t* __restrict proposed = r.drafts.data();
-      int32_t* __restrict drafts = draft_rows + static_cast<size_t>(row) * K;
-      store_ramp(positions + t, start, K + 1);
-      store_ramp(slots + t, base + offset, K + 1);
-      for (int32_t j = 0; j < K; ++j) {
-        tokens[t + 1 + j] = proposed[j];
-        drafts[j] = j < n - 1 ? proposed[j] : -1;
-      }
-    } else {
-      positions[t] = start;
-      slots[t] = base + offset;
+    // Positions inside one block; the input is the last token, then the drafts it verifies (all
+    // K but near the position limit), which the draft row repeats, -1 padded. K is fixed at
+    // compile time and all K+1 token slots are written, whether the row schedules them or not:
+    // straight-line code, no branch a token. (Slots past the row belong to the next row, which
+    // overwrites them, or lie past the batch's tokens, in the slack.)
+    const int32_t* __restrict proposed = r.drafts.data();
+    int32_t* __restrict drafts = draft_rows + static_cast<size_t>(row) * K;
+    store_ramp(positions + t, start, K + 1);
+    store_ramp(slots + t, base + offset, K + 1);
+    for (int32_t j = 0; j < K; ++j) {
+      tokens[t + 1 + j] = proposed[j];
+      drafts[j] = j < n - 1 ? proposed[j] : -1;
     }
     r.num_computed_tokens = start + n;
     r.num_inflight = 1;

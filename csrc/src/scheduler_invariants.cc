@@ -156,7 +156,7 @@ void Scheduler::check_invariants() const {
                 steady_.last_token[i] == r.last_token && steady_.table_size[i] == r.table_size &&
                 steady_.slot_delta[i] == delta && steady_.epoch[i] == r.epoch,
             "request " + std::to_string(r.id) + "'s steady columns differ from the request");
-      // The columns' rule is the rule (steady_decode_row_tokens()).
+      // The columns' rule is the per-request rule (steady_now()).
       check(steady_.steady(i) == steady_now(r),
             "request " + std::to_string(r.id) + "'s steady columns and the steady rule differ");
     }

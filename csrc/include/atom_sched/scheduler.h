@@ -350,11 +350,11 @@ class Scheduler {
   size_t add_steady_decode_rows(Batch& b, size_t at);
   template <bool kPow2>
   size_t add_steady_spec_rows(Batch& b, size_t at);
-  /// The tokens of request `r`'s decode row if it is steady (the rule add_steady_decode_rows()
-  /// runs on: synchronous, its positions inside one block it holds, its last without drafts,
-  /// every block shipped), else 0. Without drafts, steady_now().
-  template <bool kSpec, bool kPow2>
-  [[nodiscard]] int32_t steady_decode_row_tokens(const Request& r) const;
+  /// The tokens of request `r`'s decode row with drafts if it is steady (the rule
+  /// add_steady_decode_rows() runs on: synchronous, its positions inside one block it holds,
+  /// every block shipped), else 0. Without drafts the rule is steady_now().
+  template <bool kPow2>
+  [[nodiscard]] int32_t steady_spec_row_tokens(const Request& r) const;
   /// The columns a row copies from its request when it changes owner (the request's constants).
   void write_owner_columns(Batch& b, int32_t row, const Request& r, int32_t slot);
   template <bool kPow2>
