@@ -15,6 +15,7 @@
 namespace atom_sched {
 
 using detail::ceil_div;
+using detail::for_each_marked;
 using detail::id_str;
 
 double SchedulerStats::prefix_hit_rate() const noexcept {
@@ -98,6 +99,7 @@ Scheduler::Scheduler(SchedulerConfig config)
   // Room for the holes a step leaves (squeeze_running() keeps them under a 32nd).
   running_.reserve(2 * static_cast<size_t>(rows));
   steady_.resize(running_.capacity());
+  for (auto& runs : steady_runs_) runs.reserve(rows);
 }
 
 int32_t Scheduler::new_slot() {
@@ -260,47 +262,13 @@ void Scheduler::SteadyRows::resize(size_t n) {
   table_size.resize(n);
   slot_delta.resize(n);
   epoch.resize(n);
+  watch_token.resize(n);
+  watch_count.resize(n);
   marks.resize(n + 8);  // whole 8-byte words past the last row
 }
 
-void Scheduler::SteadyRows::move(size_t from, size_t to) {
-  bound[to] = bound[from];
-  reach[to] = reach[from];
-  computed[to] = computed[from];
-  token_count[to] = token_count[from];
-  last_token[to] = last_token[from];
-  table_size[to] = table_size[from];
-  slot_delta[to] = slot_delta[from];
-  epoch[to] = epoch[from];
-}
-
-int32_t Scheduler::steady_bound(const Request& r) const {
-  // Every condition but the position holds from one step to the next while the request runs
-  // steady rows (a row adds a position and a token in flight, its output turns the token in
-  // flight into a known one), so one bound serves every step until a path that changes more
-  // calls sync_steady().
-  const int32_t start = r.num_computed_tokens;
-  const int32_t size = r.table_size;
-  const int32_t bs = config_.block_size;
-  const bool steady = r.status == RequestStatus::kRunning && start >= r.prefill_target &&
-                      r.num_unstreamed == 0 && start == r.token_count - 1 + r.num_inflight &&
-                      r.blocks_shipped == size && size > 0 && start >= (size - 1) * bs;
-  return steady ? std::min(size * bs, position_limit_) : 0;
-}
-
 void Scheduler::sync_steady(const Request& r) {
-  if (k_ > 0) return;
-  const size_t p = r.run_pos;
-  SteadyRows& h = steady_;
-  const int32_t bound = steady_bound(r);
-  h.bound[p] = bound;
-  h.reach[p] = bound + static_cast<int32_t>(bound > 0 && bound < position_limit_);
-  h.computed[p] = r.num_computed_tokens;
-  h.token_count[p] = r.token_count;
-  h.last_token[p] = r.last_token;
-  h.table_size[p] = r.table_size;
-  h.slot_delta[p] = (int64_t{r.last_block} - (r.table_size - 1)) * config_.block_size;
-  h.epoch[p] = r.epoch;
+  if (k_ == 0) steady_.set(static_cast<size_t>(r.run_pos), steady_entry(r));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -847,6 +815,7 @@ const Batch* Scheduler::schedule(double now, bool allow_prefill) {
   const Batch::Header kept = b.header();
   b.id = 0;  // while it is rebuilt, views of the batch it held raise (a connector may read one)
   begin_batch(b);
+  steady_runs_[next_buffer_].clear();
   int32_t decode_rows = 0;
   if (config_.policy == BatchPolicy::kMixed) {
     // Stall-free: no running request waits for a prefill; prompts take the budget left.
@@ -896,26 +865,6 @@ void Scheduler::begin_batch(Batch& b) {
 }
 
 namespace {
-
-// Calls fn(i) for each i < n with marks[i] != 0, in order, reading the marks eight at a time:
-// the passes that flag rows vectorise, and a step flags few (marks holds n rounded up to 8).
-template <class Fn>
-[[gnu::always_inline]] inline void for_each_marked(const uint8_t* marks, int32_t n, Fn&& fn) {
-  static_assert(std::endian::native == std::endian::little, "byte i of a word is mark i0 + i");
-  const auto word_at = [&](int32_t i0) {
-    uint64_t word;
-    std::memcpy(&word, marks + i0, sizeof word);
-    return word;
-  };
-  int32_t i0 = 0;
-  for (; i0 + 8 <= n; i0 += 8)
-    for (uint64_t word = word_at(i0); word != 0; word &= word - 1)
-      fn(i0 + __builtin_ctzll(word) / 8);
-  if (i0 == n) return;
-  for (uint64_t word = word_at(i0) & (~uint64_t{0} >> (8 * (i0 + 8 - n))); word != 0;
-       word &= word - 1)  // the last bytes before n
-    fn(i0 + __builtin_ctzll(word) / 8);
-}
 
 // Positions and KV slots of a row's tokens. The values run in 64 bits, so the vector stores add
 // to int64 lanes instead of widening int32 ones.
@@ -1259,6 +1208,7 @@ size_t Scheduler::add_steady_rows(Batch& b, size_t at) {
   }
   b.num_rows = row0 + n;
   b.num_tokens = t0 + n;
+  steady_runs_[next_buffer_].push_back({row0, static_cast<int32_t>(at), n});
   return at + static_cast<size_t>(n);
 }
 

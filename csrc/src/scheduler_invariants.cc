@@ -147,14 +147,7 @@ void Scheduler::check_invariants() const {
     check(requests_[s].run_pos == static_cast<int32_t>(i), "a running request's run_pos is wrong");
     if (k_ == 0) {  // its steady columns equal what it holds
       const Request& r = requests_[s];
-      const int32_t bound = steady_bound(r);
-      const int64_t delta = (int64_t{r.last_block} - (r.table_size - 1)) * config_.block_size;
-      const int32_t reach = bound + static_cast<int32_t>(bound > 0 && bound < position_limit_);
-      check(steady_.bound[i] == bound && steady_.reach[i] == reach &&
-                steady_.computed[i] == r.num_computed_tokens &&
-                steady_.token_count[i] == r.token_count &&
-                steady_.last_token[i] == r.last_token && steady_.table_size[i] == r.table_size &&
-                steady_.slot_delta[i] == delta && steady_.epoch[i] == r.epoch,
+      check(steady_.get(i) == steady_entry(r),
             "request " + std::to_string(r.id) + "'s steady columns differ from the request");
       // The columns' rule is the per-request rule (steady_now()).
       check(steady_.steady(i) == steady_now(r),

@@ -9,6 +9,8 @@
 
 namespace atom_sched {
 
+using detail::for_each_marked;
+
 // ---------------------------------------------------------------------------------------------
 // Outputs
 
@@ -205,32 +207,104 @@ void Scheduler::finish_entry(int32_t entry, int32_t slot, FinishReason reason,
   finish(slot, reason, stop_token);
 }
 
-[[gnu::always_inline]] inline void Scheduler::publish_decode_blocks(Request& r) {
+[[gnu::always_inline]] inline bool Scheduler::publish_decode_blocks(Request& r) {
   // Every position but the last token's now holds verified KV (the row's input was the last
   // token and the drafts now accepted); the blocks it fills are published before a finish frees
-  // them, so a follow-up turn finds them.
-  if (cache_decode_blocks_ && r.num_tokens() > (r.blocks_published + 1) * config_.block_size)
-    publish_blocks(r, (r.num_tokens() - 1) / config_.block_size);
+  // them, so a follow-up turn finds them. (steady_entry()'s watch_count is the first token
+  // count this publishes at.)
+  if (!cache_decode_blocks_ || r.num_tokens() <= (r.blocks_published + 1) * config_.block_size)
+    return false;
+  publish_blocks(r, (r.num_tokens() - 1) / config_.block_size);
+  return true;
 }
 
-int32_t Scheduler::apply_plain_decode_rows(const Batch& b, const ModelOutputs& out) {
-  const int32_t rows = b.num_rows;
+bool Scheduler::apply_steady_run(const Batch& b, const ModelOutputs& out, const SteadyRun& run,
+                                 OutputCursor& cursor) {
+  const int32_t n = run.n;
+  const size_t at = static_cast<size_t>(run.at);
+  if (at + static_cast<size_t>(n) > running_.size()) return false;
+  SteadyRows& h = steady_;
+  const int32_t* __restrict slots = b.request_index.data() + run.row0;
+  // Its requests still hold the run's positions (an abort leaves a hole, a preemption or a
+  // squeeze moves requests), so they are running, and so plain rows (apply_plain_decode_rows()):
+  // a request has something to stream besides only after a remote prefill, never with a row in
+  // flight. (One readmitted meanwhile is plain too: the row's token is appended, as there.)
+  const int32_t* __restrict running = running_.data() + at;
+  int32_t slots_differ = 0;
+  for (int32_t i = 0; i < n; ++i) slots_differ |= running[i] ^ slots[i];
+  if (slots_differ != 0) return false;
+
+  // The new tokens into the columns (the bound holds: a token more, a row in flight less), and
+  // the rows whose token needs a look flagged.
+  const int32_t* __restrict sampled = out.sampled_token_ids.data() + run.row0;
+  int32_t* __restrict counts = h.token_count.data() + at;
+  int32_t* __restrict last = h.last_token.data() + at;
+  const int32_t* __restrict watch_tokens = h.watch_token.data() + at;
+  const int32_t* __restrict watch_counts = h.watch_count.data() + at;
+  uint8_t* __restrict marks = h.marks.data();
+  for (int32_t i = 0; i < n; ++i) {
+    counts[i] += 1;
+    last[i] = sampled[i];
+  }
+  for (int32_t i = 0; i < n; ++i)
+    marks[i] = (sampled[i] == watch_tokens[i]) | (counts[i] >= watch_counts[i]);
+  // The requests themselves, and the entry columns they decide.
+  StepOutput& so = step_output_;
+  const int32_t e0 = cursor.entries, t0 = cursor.tokens;
+  int32_t* __restrict prefix_hits = so.prefix_hit_tokens.data() + e0;
+  uint8_t* __restrict wants = so.wants_logprobs.data() + e0;
+  for (int32_t i = 0; i < n; ++i) {
+    Request& r = requests_[slots[i]];
+    --r.num_inflight;
+    r.append_token(sampled[i]);
+    prefix_hits[i] = r.prefix_hit_tokens;
+    wants[i] = r.wants_logprobs;
+  }
+  // One entry and one token a row: the other entry columns in passes.
+  std::copy_n(b.req_ids.data() + run.row0, n, so.req_ids.data() + e0);
+  std::copy_n(sampled, n, so.new_tokens.data() + t0);
+  int32_t* __restrict offsets = so.token_offsets.data() + e0 + 1;
+  for (int32_t i = 0; i < n; ++i) offsets[i] = t0 + i + 1;
+  std::fill_n(so.finish_reasons.data() + e0, n, FinishReason::kNone);
+  std::fill_n(so.stop_tokens.data() + e0, n, -1);
+  cursor = {e0 + n, t0 + n};
+  // The flagged rows, in order (finished entries stay sorted): the stop rules, publishing.
+  for_each_marked(marks, n, [&](int32_t i) {
+    const int32_t slot = slots[i];
+    Request& r = requests_[slot];
+    int32_t stop_token = -1;
+    const FinishReason reason = stop_after_append(r, stop_token);
+    publish_decode_blocks(r);
+    if (reason == FinishReason::kNone) {
+      h.watch_count[at + static_cast<size_t>(i)] = watch_count(r);  // it published: the next
+      return;
+    }
+    so.finish_reasons[e0 + i] = reason;
+    so.stop_tokens[e0 + i] = stop_token;
+    finish_entry(e0 + i, slot, reason, stop_token);
+  });
+  return true;
+}
+
+int32_t Scheduler::apply_plain_decode_rows(const Batch& b, const ModelOutputs& out, int32_t row,
+                                           int32_t end, OutputCursor& cursor) {
+  const int32_t first = row;
   const int32_t* __restrict slots = b.request_index.data();
   const uint8_t* __restrict prefill = b.row_is_prefill.data();
   const int32_t* __restrict sampled = out.sampled_token_ids.data();
   StepOutput& so = step_output_;
+  const int32_t shift = cursor.entries - first;  // row + shift: the row's entry
   FinishReason* __restrict reasons = so.finish_reasons.data();
   int32_t* __restrict stop_tokens = so.stop_tokens.data();
   int32_t* __restrict prefix_hits = so.prefix_hit_tokens.data();
   uint8_t* __restrict wants = so.wants_logprobs.data();
   int32_t* __restrict last_tokens = steady_.last_token.data();
   int32_t* __restrict token_counts = steady_.token_count.data();
-  int32_t row = 0;
-  for (; row < rows; ++row) {
+  for (; row < end; ++row) {
     const int32_t slot = slots[row];
     Request& r = requests_[slot];
     // Finished or preempted meanwhile, a token to stream besides (num_unstreamed), or a prompt
-    // chunk: apply_row_output() from here on.
+    // chunk: apply_row_output().
     if (r.status != RequestStatus::kRunning || r.num_unstreamed > 0 || prefill[row]) break;
     --r.num_inflight;
     r.append_token(sampled[row]);
@@ -240,19 +314,50 @@ int32_t Scheduler::apply_plain_decode_rows(const Batch& b, const ModelOutputs& o
     token_counts[p] = r.token_count;
     int32_t stop_token = -1;
     const FinishReason reason = stop_after_append(r, stop_token);
-    publish_decode_blocks(r);
-    reasons[row] = reason;
-    stop_tokens[row] = stop_token;
-    prefix_hits[row] = r.prefix_hit_tokens;
-    wants[row] = r.wants_logprobs;
-    if (reason != FinishReason::kNone) finish_entry(row, slot, reason, stop_token);
+    if (publish_decode_blocks(r)) steady_.watch_count[p] = watch_count(r);  // the next
+    const int32_t e = row + shift;
+    reasons[e] = reason;
+    stop_tokens[e] = stop_token;
+    prefix_hits[e] = r.prefix_hit_tokens;
+    wants[e] = r.wants_logprobs;
+    if (reason != FinishReason::kNone) finish_entry(e, slot, reason, stop_token);
   }
-  // One entry and one token a row: the ids, tokens and offsets in passes over the batch.
-  std::copy_n(b.req_ids.data(), row, so.req_ids.data());
-  std::copy_n(sampled, row, so.new_tokens.data());
-  int32_t* __restrict offsets = so.token_offsets.data();
-  for (int32_t i = 1; i <= row; ++i) offsets[i] = i;
+  // One entry and one token a row: the ids, tokens and offsets in passes.
+  const int32_t n = row - first, e0 = cursor.entries, t0 = cursor.tokens;
+  std::copy_n(b.req_ids.data() + first, n, so.req_ids.data() + e0);
+  std::copy_n(sampled + first, n, so.new_tokens.data() + t0);
+  int32_t* __restrict offsets = so.token_offsets.data() + e0 + 1;
+  for (int32_t i = 0; i < n; ++i) offsets[i] = t0 + i + 1;
+  cursor = {e0 + n, t0 + n};
   return row;
+}
+
+[[gnu::always_inline]] inline void Scheduler::apply_k0_row_output(const Batch& b, int32_t row,
+                                                                 const ModelOutputs& out,
+                                                                 OutputCursor& cursor) {
+  apply_row_output<false>(b, row, out, /*width=*/1, cursor);
+  // Its request changed more than the plain rows' columns: its steady columns again.
+  const Request& r = requests_[b.request_index[row]];
+  if (r.run_pos >= 0) sync_steady(r);
+}
+
+void Scheduler::apply_decode_rows(const Batch& b, const ModelOutputs& out, int32_t row,
+                                  int32_t end, OutputCursor& cursor) {
+  while (row < end) {
+    row = apply_plain_decode_rows(b, out, row, end, cursor);
+    if (row < end) apply_k0_row_output(b, row++, out, cursor);
+  }
+}
+
+void Scheduler::apply_k0_rows(const Batch& b, const ModelOutputs& out,
+                              std::span<const SteadyRun> runs, OutputCursor& cursor) {
+  int32_t row = 0;
+  for (const SteadyRun& run : runs) {
+    apply_decode_rows(b, out, row, run.row0, cursor);
+    // A run whose requests moved: its rows one by one, with the rows after it.
+    row = apply_steady_run(b, out, run, cursor) ? run.row0 + run.n : run.row0;
+  }
+  apply_decode_rows(b, out, row, b.num_rows, cursor);
 }
 
 template <int K>
@@ -446,17 +551,10 @@ const StepOutput& Scheduler::update(uint64_t batch_id, const ModelOutputs& out) 
     }
     for (int32_t row = cursor.entries; row < b.num_rows; ++row)
       apply_row_output<true>(b, row, out, width, cursor);
+  } else if (out.logprobs.empty()) {
+    apply_k0_rows(b, out, steady_runs_[oldest], cursor);
   } else {
-    const int32_t plain = out.logprobs.empty() ? apply_plain_decode_rows(b, out) : 0;
-    cursor = {plain, plain};
-    for (int32_t row = plain; row < b.num_rows; ++row)
-      apply_row_output<false>(b, row, out, width, cursor);
-    // The other rows' requests changed more than the plain rows' columns: their steady columns
-    // again, from the request.
-    for (int32_t row = plain; row < b.num_rows; ++row) {
-      const Request& r = requests_[b.request_index[row]];
-      if (r.run_pos >= 0) sync_steady(r);
-    }
+    for (int32_t row = 0; row < b.num_rows; ++row) apply_k0_row_output(b, row, out, cursor);
   }
   so.req_ids.resize(cursor.entries);
   so.token_offsets.resize(cursor.entries + 1);

@@ -16,6 +16,7 @@
 // Not thread-safe: one thread drives a Scheduler (the Python binding serialises calls).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -248,9 +249,24 @@ class Scheduler {
     std::vector<int32_t> table_size;
     std::vector<int64_t> slot_delta;  // KV slot of a position in its last block, less the position
     std::vector<uint64_t> epoch;
-    std::vector<uint8_t> marks;  // scratch of add_steady_rows(): the rows a pass flags
+    // update()'s columns: a steady row's new token needs a look (the stop rules, publishing)
+    // when it is watch_token (EOS; -1: none) or the row's token count reaches watch_count (its
+    // length limit, or the token that completes its next block to publish; 0 with stop lists).
+    std::vector<int32_t> watch_token;
+    std::vector<int32_t> watch_count;
+    std::vector<uint8_t> marks;  // scratch of the steady passes: the rows a pass flags
+    /// One position's values, every column but the scratch.
+    struct Entry {
+      int32_t bound, reach, computed, token_count, last_token, table_size;
+      int64_t slot_delta;
+      uint64_t epoch;
+      int32_t watch_token, watch_count;
+      bool operator==(const Entry&) const = default;
+    };
     void resize(size_t n);
-    void move(size_t from, size_t to);  // entry `from` to `to`
+    void set(size_t p, const Entry& e);
+    [[nodiscard]] Entry get(size_t p) const;
+    void move(size_t from, size_t to) { set(to, get(from)); }
     /// Whether entry p takes a steady row now: below its bound, and synchronous (nothing in
     /// flight: without drafts, each row in flight is a position computed and no token yet).
     [[nodiscard]] bool steady(size_t p) const noexcept {
@@ -271,7 +287,17 @@ class Scheduler {
   [[nodiscard]] bool steady_now(const Request& r) const {
     return r.num_inflight == 0 && r.num_computed_tokens < steady_bound(r);
   }
+  /// What steady_ holds for a running request (the one rule sync_steady() writes and
+  /// check_invariants() checks).
+  [[nodiscard]] SteadyRows::Entry steady_entry(const Request& r) const;
+  [[nodiscard]] int32_t watch_count(const Request& r) const;  // SteadyRows::watch_count's
   void sync_steady(const Request& r);  // steady_ at r.run_pos from r (K = 0 only)
+  /// A run of steady K = 0 rows: batch rows [row0, row0 + n) took running_[at, at + n).
+  /// Recorded per batch buffer (steady_runs_), so that update() applies their outputs as
+  /// columns while the run still holds those positions.
+  struct SteadyRun {
+    int32_t row0, at, n;
+  };
   /// The steady K = 0 rows from running_[at] on, within the row and token budgets, written as
   /// columns (a row at a block's end takes its next block first, while the pool has one);
   /// returns the index in running_ that ended the run.
@@ -378,11 +404,27 @@ class Scheduler {
   template <bool kSpec>
   void apply_row_output(const Batch& b, int32_t row, const ModelOutputs& out, int32_t width,
                         OutputCursor& cursor);
-  /// The plain rows of a K = 0 decode step without log-probabilities, from the first: each
-  /// appends one token and makes one entry, so the entry columns the requests do not decide are
-  /// written in passes. Returns the rows applied: it stops before the first that needs
-  /// apply_row_output() (not running, a token to stream besides, or a prompt chunk).
-  int32_t apply_plain_decode_rows(const Batch& b, const ModelOutputs& out);
+  /// The rows of a K = 0 step without log-probabilities: the steady runs as columns
+  /// (apply_steady_run()), the rows between them one by one (apply_decode_rows()).
+  void apply_k0_rows(const Batch& b, const ModelOutputs& out, std::span<const SteadyRun> runs,
+                     OutputCursor& cursor);
+  /// apply_row_output() for a row of a K = 0 step, and its request's steady columns again.
+  void apply_k0_row_output(const Batch& b, int32_t row, const ModelOutputs& out,
+                           OutputCursor& cursor);
+  /// A steady run's outputs, column by column, when its rows' requests still hold the run's
+  /// positions (no abort or preemption moved them since schedule()); false (nothing applied)
+  /// otherwise. The rows whose token needs a look (watch_token, watch_count) are then applied
+  /// one by one: the stop rules, publishing, finishing.
+  bool apply_steady_run(const Batch& b, const ModelOutputs& out, const SteadyRun& run,
+                        OutputCursor& cursor);
+  /// Rows [row, end) of a K = 0 step without log-probabilities, one by one: the plain ones
+  /// (running, nothing to stream besides, not a prompt chunk: one token, one entry) inline, the
+  /// others through apply_row_output().
+  void apply_decode_rows(const Batch& b, const ModelOutputs& out, int32_t row, int32_t end,
+                         OutputCursor& cursor);
+  /// The plain rows of [row, end), from `row`: returns the first row that is not plain.
+  int32_t apply_plain_decode_rows(const Batch& b, const ModelOutputs& out, int32_t row,
+                                  int32_t end, OutputCursor& cursor);
   /// The same for a K > 0 step: the plain decode rows from the first (running, nothing to stream
   /// besides, no log-probabilities), each rolling back its rejected drafts and appending its
   /// accepted tokens, with the step's acceptance statistics summed once. Leaves `cursor` after
@@ -391,8 +433,9 @@ class Scheduler {
   void apply_plain_spec_rows(const Batch& b, const ModelOutputs& out, OutputCursor& cursor);
   /// Records step_output_ entry `entry`'s finish (its whole sequence) and finishes the request.
   void finish_entry(int32_t entry, int32_t slot, FinishReason reason, int32_t stop_token);
-  /// Decode-block caching: publishes the blocks a decode row's verified KV completed.
-  void publish_decode_blocks(Request& r);
+  /// Decode-block caching: publishes the blocks a decode row's verified KV completed; true
+  /// when it published any.
+  bool publish_decode_blocks(Request& r);
   /// The stop condition met by the request's last token, or kNone.
   [[nodiscard]] FinishReason stop_reason(const Request& r, int32_t& stop_token) const;
   /// stop_reason() for the token just appended, its common case (no stop lists) inline.
@@ -422,6 +465,7 @@ class Scheduler {
   std::vector<int32_t> running_;   // running request slots in service order, with holes
   int32_t running_holes_ = 0;      // kRunningHole entries in running_ (never its last)
   SteadyRows steady_;              // [position in running_], capacity running_.capacity()
+  std::array<std::vector<SteadyRun>, kMaxOutstandingBatches> steady_runs_;  // [batch buffer]
   List remote_waiting_;  // kWaitingForRemoteKv requests, in arrival order
 
   BatchBuffers batches_;
@@ -449,5 +493,65 @@ class Scheduler {
   uint64_t next_epoch_ = 1;
   uint64_t next_arrival_seq_ = 0;
 };
+
+// The steady columns' rules, inline: sync_steady() runs on every path that changes a running
+// request, and the core is compiled as position-independent code, where GCC inlines only
+// functions declared inline.
+
+inline void Scheduler::SteadyRows::set(size_t p, const Entry& e) {
+  bound[p] = e.bound;
+  reach[p] = e.reach;
+  computed[p] = e.computed;
+  token_count[p] = e.token_count;
+  last_token[p] = e.last_token;
+  table_size[p] = e.table_size;
+  slot_delta[p] = e.slot_delta;
+  epoch[p] = e.epoch;
+  watch_token[p] = e.watch_token;
+  watch_count[p] = e.watch_count;
+}
+
+inline Scheduler::SteadyRows::Entry Scheduler::SteadyRows::get(size_t p) const {
+  return {bound[p],      reach[p], computed[p],    token_count[p], last_token[p],
+          table_size[p], slot_delta[p], epoch[p], watch_token[p], watch_count[p]};
+}
+
+inline int32_t Scheduler::steady_bound(const Request& r) const {
+  // Every condition but the position holds from one step to the next while the request runs
+  // steady rows (a row adds a position and a token in flight, its output turns the token in
+  // flight into a known one), so one bound serves every step until a path that changes more
+  // calls sync_steady().
+  const int32_t start = r.num_computed_tokens;
+  const int32_t size = r.table_size;
+  const int32_t bs = config_.block_size;
+  const bool steady = r.status == RequestStatus::kRunning && start >= r.prefill_target &&
+                      r.num_unstreamed == 0 && start == r.token_count - 1 + r.num_inflight &&
+                      r.blocks_shipped == size && size > 0 && start >= (size - 1) * bs;
+  return steady ? std::min(size * bs, position_limit_) : 0;
+}
+
+inline int32_t Scheduler::watch_count(const Request& r) const {
+  // The tokens whose append needs a look in update(): the length limit, and the token that
+  // completes a block to publish (its KV is then verified: publish_decode_blocks()); every token
+  // with stop lists. (And EOS: watch_token.)
+  if (r.has_stop_lists) return 0;
+  const int32_t publish_at = (r.blocks_published + 1) * config_.block_size + 1;
+  return cache_decode_blocks_ ? std::min(r.stop_length, publish_at) : r.stop_length;
+}
+
+inline Scheduler::SteadyRows::Entry Scheduler::steady_entry(const Request& r) const {
+  const int32_t bound = steady_bound(r);
+  const int32_t bs = config_.block_size;
+  return {.bound = bound,
+          .reach = bound + static_cast<int32_t>(bound > 0 && bound < position_limit_),
+          .computed = r.num_computed_tokens,
+          .token_count = r.token_count,
+          .last_token = r.last_token,
+          .table_size = r.table_size,
+          .slot_delta = (int64_t{r.last_block} - (r.table_size - 1)) * bs,
+          .epoch = r.epoch,
+          .watch_token = r.ignore_eos ? -1 : config_.eos_token_id,  // any rule may stop it
+          .watch_count = watch_count(r)};
+}
 
 }  // namespace atom_sched
