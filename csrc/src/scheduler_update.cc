@@ -1,6 +1,7 @@
 // Scheduler::update(): validating a batch's outputs, appending tokens, stop conditions.
 #include <algorithm>
 #include <limits>
+#include <span>
 #include <string>
 
 #include "atom_sched/errors.h"
@@ -42,6 +43,25 @@ bool rows_look_valid(const Batch& b, const int32_t* sampled, const int32_t* acce
   return !bad;
 }
 
+// Whether no value of v is negative: the sign bits OR-ed (a form the compiler vectorises).
+bool none_negative(std::span<const int32_t> v) {
+  int32_t signs = 0;
+  for (const int32_t x : v) signs |= x;
+  return signs >= 0;
+}
+
+// Whether every row's accepted count is in 1..max (`accepted` may be null: all 1, always in
+// range), in one pass.
+bool accepted_in_range(const Batch& b, const int32_t* accepted) {
+  if (accepted == nullptr) return true;
+  const uint8_t* prefill = b.row_is_prefill.data();
+  const int32_t* scheduled = b.num_scheduled_tokens.data();
+  bool bad = false;
+  for (int32_t i = 0; i < b.num_rows; ++i)
+    bad |= (accepted[i] < 1) | (accepted[i] > (prefill[i] ? 1 : scheduled[i]));
+  return !bad;
+}
+
 }  // namespace
 
 bool Scheduler::outputs_look_valid(const Batch& b, const ModelOutputs& out) const {
@@ -56,6 +76,12 @@ bool Scheduler::outputs_look_valid(const Batch& b, const ModelOutputs& out) cons
     for (int32_t i = 0; i < rows; ++i) signs |= sampled[i] & -static_cast<int32_t>(emits[i] != 0);
     return signs >= 0;
   }
+  // The common step: the counts in range and no negative token or draft at all. The rules
+  // allow some (a row's tokens past its accepted count, -1 padding its drafts, a prompt chunk
+  // that emits nothing), so otherwise every row is checked by them.
+  if (accepted_in_range(b, accepted) && none_negative(out.sampled_token_ids) &&
+      none_negative(out.draft_token_ids))
+    return true;
   static_assert(kMaxSpeculativeTokens == 8, "one case per K below");
   switch (k_) {
     case 0: return rows_look_valid<0>(b, sampled, accepted, drafts);
