@@ -367,8 +367,10 @@ int32_t Scheduler::apply_plain_decode_rows(const Batch& b, const ModelOutputs& o
   if (r.run_pos >= 0) sync_steady(r);
 }
 
-void Scheduler::apply_decode_rows(const Batch& b, const ModelOutputs& out, int32_t row,
-                                  int32_t end, OutputCursor& cursor) {
+[[gnu::always_inline]] inline void Scheduler::apply_decode_rows(const Batch& b,
+                                                               const ModelOutputs& out,
+                                                               int32_t row, int32_t end,
+                                                               OutputCursor& cursor) {
   while (row < end) {
     row = apply_plain_decode_rows(b, out, row, end, cursor);
     if (row < end) apply_k0_row_output(b, row++, out, cursor);
@@ -377,8 +379,12 @@ void Scheduler::apply_decode_rows(const Batch& b, const ModelOutputs& out, int32
 
 void Scheduler::apply_k0_rows(const Batch& b, const ModelOutputs& out,
                               std::span<const SteadyRun> runs, OutputCursor& cursor) {
+  // The passes cost a few hundred instructions however short the run (calls, vector loops'
+  // set-up); a run of fewer rows than this goes row by row.
+  constexpr int32_t kMinColumnRun = 8;
   int32_t row = 0;
   for (const SteadyRun& run : runs) {
+    if (run.n < kMinColumnRun) continue;
     apply_decode_rows(b, out, row, run.row0, cursor);
     // A run whose requests moved: its rows one by one, with the rows after it.
     row = apply_steady_run(b, out, run, cursor) ? run.row0 + run.n : run.row0;
