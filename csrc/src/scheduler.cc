@@ -998,6 +998,13 @@ template <bool kPow2>
   } else if (offset + num_tokens <= bs) {  // a decode row with drafts, within one block
     store_ramp(positions, start, num_tokens);
     store_ramp(slots, base + offset, num_tokens);
+  } else if (num_tokens <= bs) {  // one with drafts crossing into the next block: two runs
+    const int32_t first_run = bs - offset;
+    const int64_t next_id = r.block_table[block + 1];
+    store_ramp(positions, start, num_tokens);
+    store_ramp(slots, base + offset, first_run);
+    store_ramp(slots + first_run, kPow2 ? next_id << block_shift_ : next_id * bs,
+               num_tokens - first_run);
   } else {
     fill_positions(positions, slots, start, num_tokens, r.block_table.data() + block, offset, base,
                    bs);

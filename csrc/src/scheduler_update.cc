@@ -17,21 +17,18 @@ using detail::for_each_marked;
 
 namespace {
 
-// validate_outputs()'s rules as one branch-free pass, for K drafts a row (a compile-time K, so
-// the inner loops unroll): accepted counts in 1..max, an emitting row's accepted tokens >= 0,
-// its drafts >= -1 and a prefix (no draft after a -1). `accepted` may be null (all 1).
+// validate_outputs()'s token and draft rules as one branch-free pass, for K drafts a row (a
+// compile-time K, so the inner loops unroll): an emitting row's accepted tokens >= 0, its drafts
+// >= -1 and a prefix (no draft after a -1). `accepted` may be null (all 1); the counts are in
+// range (accepted_in_range()).
 template <int K>
 bool rows_look_valid(const Batch& b, const int32_t* sampled, const int32_t* accepted,
                      const int32_t* drafts) {
   const int32_t rows = b.num_rows;
   const uint8_t* emits = b.emits_token.data();
-  const uint8_t* prefill = b.row_is_prefill.data();
-  const int32_t* scheduled = b.num_scheduled_tokens.data();
   bool bad = false;
   for (int32_t i = 0; i < rows; ++i) {
     const int32_t a = accepted != nullptr ? accepted[i] : 1;
-    const int32_t max_accepted = prefill[i] ? 1 : scheduled[i];
-    bad |= (a < 1) | (a > max_accepted);
     const int32_t* t = sampled + static_cast<size_t>(i) * (K + 1);
     const int32_t* d = drafts + static_cast<size_t>(i) * K;
     bool row_bad = false;
@@ -50,16 +47,18 @@ bool none_negative(std::span<const int32_t> v) {
   return signs >= 0;
 }
 
-// Whether every row's accepted count is in 1..max (`accepted` may be null: all 1, always in
-// range), in one pass.
+// Whether every row's accepted count is in 1..max: its scheduled tokens, 1 for a prompt chunk
+// (`accepted` may be null: all 1, always in range). Two passes, each vectorised (one with a
+// conditional maximum is not).
 bool accepted_in_range(const Batch& b, const int32_t* accepted) {
   if (accepted == nullptr) return true;
   const uint8_t* prefill = b.row_is_prefill.data();
   const int32_t* scheduled = b.num_scheduled_tokens.data();
-  bool bad = false;
+  int32_t out_of_range = 0, chunk_over_one = 0;
   for (int32_t i = 0; i < b.num_rows; ++i)
-    bad |= (accepted[i] < 1) | (accepted[i] > (prefill[i] ? 1 : scheduled[i]));
-  return !bad;
+    out_of_range |= (accepted[i] < 1) | (accepted[i] > scheduled[i]);
+  for (int32_t i = 0; i < b.num_rows; ++i) chunk_over_one |= (accepted[i] > 1) & (prefill[i] != 0);
+  return (out_of_range | chunk_over_one) == 0;
 }
 
 }  // namespace
@@ -76,12 +75,11 @@ bool Scheduler::outputs_look_valid(const Batch& b, const ModelOutputs& out) cons
     for (int32_t i = 0; i < rows; ++i) signs |= sampled[i] & -static_cast<int32_t>(emits[i] != 0);
     return signs >= 0;
   }
-  // The common step: the counts in range and no negative token or draft at all. The rules
-  // allow some (a row's tokens past its accepted count, -1 padding its drafts, a prompt chunk
-  // that emits nothing), so otherwise every row is checked by them.
-  if (accepted_in_range(b, accepted) && none_negative(out.sampled_token_ids) &&
-      none_negative(out.draft_token_ids))
-    return true;
+  if (!accepted_in_range(b, accepted)) return false;
+  // The common step: no negative token or draft at all. The rules allow some (a row's tokens
+  // past its accepted count, -1 padding its drafts, a prompt chunk that emits nothing), so
+  // otherwise every row is checked by them.
+  if (none_negative(out.sampled_token_ids) && none_negative(out.draft_token_ids)) return true;
   static_assert(kMaxSpeculativeTokens == 8, "one case per K below");
   switch (k_) {
     case 0: return rows_look_valid<0>(b, sampled, accepted, drafts);
