@@ -474,6 +474,33 @@ class H {
   std::map<int32_t, int64_t> slot_owner_;
 };
 
+// What a run streamed: each request's tokens, and why it finished (absent while it runs).
+struct Streams {
+  std::map<int64_t, V> tokens;
+  std::map<int64_t, std::string> why;
+
+  // Updates batch `b` with model(id, n) as each row's token (n: the tokens the row's request
+  // streamed so far) and records what the update streamed; a request finishes once.
+  template <class Model>
+  void Apply(H& h, const Snap& b, Model&& model) {
+    V sampled;
+    for (int64_t id : b.req_ids) {
+      const auto it = tokens.find(id);
+      const size_t streamed = it == tokens.end() ? 0 : it->second.size();
+      sampled.push_back(model(id, static_cast<int32_t>(streamed)));
+    }
+    const Outs o = h.upd(b, sampled);
+    for (int64_t id : o.order) {
+      const ROut& r = o.by_id.at(id);
+      V& all = tokens[id];
+      all.insert(all.end(), r.tokens.begin(), r.tokens.end());
+      if (r.reason == FinishReason::kNone) continue;
+      EXPECT_EQ(why.count(id), 0u) << "request " << id << " finished twice";
+      why[id] = r.why;
+    }
+  }
+};
+
 // Observable state that a rejected call must leave unchanged.
 struct State {
   V64 waiting, running;

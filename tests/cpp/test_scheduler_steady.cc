@@ -49,11 +49,6 @@ SamplingParams Params(int64_t id) {
   return p;
 }
 
-struct Streams {
-  std::map<int64_t, V> tokens;
-  std::map<int64_t, std::string> why;
-};
-
 // Runs 48 requests to the end, synchronously (steady rows) or one step ahead (no row is
 // steady: each has a batch in flight), with `abort_at(step)` aborting a request between a
 // schedule() and its update().
@@ -65,7 +60,6 @@ Streams RunToTheEnd(bool one_step_ahead, AbortAt abort_at) {
     h.add(id, prompt, Params(id));
   }
   Streams res;
-  std::map<int64_t, int32_t> received;
   std::deque<Snap> q;
   int step = 0;
   for (int guard = 0; guard < 4000; ++guard) {
@@ -82,18 +76,8 @@ Streams RunToTheEnd(bool one_step_ahead, AbortAt abort_at) {
       h.Inv("abort_request");
       res.why[id] = "aborted";
     }
-    const Snap b = q.front();
+    res.Apply(h, q.front(), ModelToken);
     q.pop_front();
-    V sampled;
-    for (int64_t id : b.req_ids) sampled.push_back(ModelToken(id, received[id]));
-    const Outs o = h.upd(b, sampled);
-    for (int64_t id : o.order) {
-      const ROut& r = o.by_id.at(id);
-      received[id] += static_cast<int32_t>(r.tokens.size());
-      V& all = res.tokens[id];
-      all.insert(all.end(), r.tokens.begin(), r.tokens.end());
-      if (r.reason != FinishReason::kNone) res.why[id] = r.why;
-    }
     // Synchronously, every running request has published the blocks its verified KV fills.
     for (int64_t id : h.s.running_ids()) {
       const Request& r = h.s.request(id);

@@ -37,9 +37,7 @@ namespace {
 // Synchronous and one-step-ahead runs stream the same tokens (DESIGN.md section 4)
 // ---------------------------------------------------------------------------------------------
 
-struct RunResult {
-  std::map<int64_t, V> tokens;
-  std::map<int64_t, std::string> why;
+struct RunResult : Streams {
   int64_t preemptions = 0;
 };
 
@@ -66,23 +64,7 @@ RunResult RunWorkload(bool one_step_ahead, bool chunked, bool check_plan = false
     h.add(id, prompt, P(3 + static_cast<int32_t>(id % 7)));
   }
   RunResult res;
-  std::map<int64_t, int32_t> received;
   std::deque<Snap> q;
-  auto apply = [&](const Snap& b) {
-    V sampled;
-    for (int64_t id : b.req_ids) sampled.push_back(ModelToken(id, received[id]));
-    const Outs o = h.upd(b, sampled);
-    for (int64_t id : o.order) {
-      const ROut& r = o.by_id.at(id);
-      received[id] += static_cast<int32_t>(r.tokens.size());
-      V& all = res.tokens[id];
-      all.insert(all.end(), r.tokens.begin(), r.tokens.end());
-      if (r.reason != FinishReason::kNone) {
-        EXPECT_EQ(res.why.count(id), 0u) << "request " << id << " finished twice";
-        res.why[id] = r.why;
-      }
-    }
-  };
   for (int guard = 0; guard < 2000; ++guard) {
     if (static_cast<int32_t>(q.size()) < (one_step_ahead ? 2 : 1)) {
       auto b = h.sched();
@@ -92,7 +74,7 @@ RunResult RunWorkload(bool one_step_ahead, bool chunked, bool check_plan = false
       }
     }
     if (q.empty()) break;
-    apply(q.front());
+    res.Apply(h, q.front(), ModelToken);
     q.pop_front();
   }
   EXPECT_FALSE(h.s.has_unfinished_requests());
