@@ -404,8 +404,8 @@ class Scheduler {
   template <bool kSpec>
   void apply_row_output(const Batch& b, int32_t row, const ModelOutputs& out, int32_t width,
                         OutputCursor& cursor);
-  /// The rows of a K = 0 step without log-probabilities: the steady runs as columns
-  /// (apply_steady_run()), the rows between them one by one (apply_decode_rows()).
+  /// The rows of a K = 0 step without log-probabilities: the steady runs of 8 rows or more as
+  /// columns (apply_steady_run()), every other row one by one (apply_decode_rows()).
   void apply_k0_rows(const Batch& b, const ModelOutputs& out, std::span<const SteadyRun> runs,
                      OutputCursor& cursor);
   /// apply_row_output() for a row of a K = 0 step, and its request's steady columns again.
