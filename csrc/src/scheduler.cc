@@ -241,16 +241,44 @@ void Scheduler::remove_running(Request& r) {
 void Scheduler::squeeze_running(bool always) {
   const bool sparse = running_holes_ * 32 < static_cast<int32_t>(running_.size());
   if (running_holes_ == 0 || (!always && sparse)) return;
-  size_t n = 0;
-  for (size_t i = 0; i < running_.size(); ++i) {
-    const int32_t s = running_[i];
-    if (s == kRunningHole) continue;
-    requests_[s].run_pos = static_cast<int32_t>(n);
-    steady_.move(i, n);
-    running_[n++] = s;
+  // The entries before the first hole stay; each run of entries after it moves up over the
+  // holes, with its steady columns (which only K = 0 keeps) column by column.
+  const size_t size = running_.size();
+  size_t n = static_cast<size_t>(std::find(running_.begin(), running_.end(), kRunningHole) -
+                                 running_.begin());
+  for (size_t i = n; i < size;) {
+    if (running_[i] == kRunningHole) {
+      ++i;
+      continue;
+    }
+    size_t end = i;
+    while (end < size && running_[end] != kRunningHole) ++end;
+    if (k_ == 0) steady_.move_run(i, n, end - i);
+    for (; i < end; ++i, ++n) {
+      running_[n] = running_[i];
+      requests_[running_[n]].run_pos = static_cast<int32_t>(n);
+    }
   }
   running_.resize(n);
   running_holes_ = 0;
+}
+
+void Scheduler::SteadyRows::move_run(size_t from, size_t to, size_t n) {
+  const auto shift = [&](auto& column) {  // to < from: a forward copy may overlap
+    std::copy(column.begin() + static_cast<std::ptrdiff_t>(from),
+              column.begin() + static_cast<std::ptrdiff_t>(from + n),
+              column.begin() + static_cast<std::ptrdiff_t>(to));
+  };
+  shift(bound);
+  shift(reach);
+  shift(computed);
+  shift(token_count);
+  shift(last_token);
+  shift(table_size);
+  shift(slot_delta);
+  shift(epoch);
+  shift(watch_token);
+  shift(watch_count);
 }
 
 void Scheduler::SteadyRows::resize(size_t n) {

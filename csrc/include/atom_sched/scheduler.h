@@ -267,6 +267,7 @@ class Scheduler {
     void set(size_t p, const Entry& e);
     [[nodiscard]] Entry get(size_t p) const;
     void move(size_t from, size_t to) { set(to, get(from)); }
+    void move_run(size_t from, size_t to, size_t n);  // entries [from, from + n) to `to` < from
     /// Whether entry p takes a steady row now: below its bound, and synchronous (nothing in
     /// flight: without drafts, each row in flight is a position computed and no token yet).
     [[nodiscard]] bool steady(size_t p) const noexcept {
