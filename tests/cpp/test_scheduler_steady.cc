@@ -45,7 +45,7 @@ SamplingParams Params(int64_t id) {
   p.ignore_eos = id % 8 == 5;                                 // EOS does not end it
   if (id % 10 == 7) p.stop_token_ids = {kStopToken};          // a stop list: every row looks
   if (id % 6 == 3) p.min_tokens = std::min(8, p.max_tokens);  // EOS before: a token
-  if (id % 9 == 4) p.stop_token_sequences = {{kEos, kEos}};   // never both: no match
+  if (id % 9 == 4) p.stop_token_sequences = {{kEos, kEos}};   // a stop list never matched
   return p;
 }
 
