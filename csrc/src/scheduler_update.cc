@@ -242,6 +242,30 @@ void Scheduler::finish_entry(int32_t entry, int32_t slot, FinishReason reason,
   return true;
 }
 
+[[gnu::always_inline]] inline void Scheduler::write_one_token_entries(const Batch& b,
+                                                                     const ModelOutputs& out,
+                                                                     int32_t first, int32_t n,
+                                                                     OutputCursor& cursor) {
+  StepOutput& so = step_output_;
+  const int32_t e0 = cursor.entries, t0 = cursor.tokens;
+  std::copy_n(b.req_ids.data() + first, n, so.req_ids.data() + e0);
+  std::copy_n(out.sampled_token_ids.data() + first, n, so.new_tokens.data() + t0);
+  int32_t* __restrict offsets = so.token_offsets.data() + e0 + 1;
+  for (int32_t i = 0; i < n; ++i) offsets[i] = t0 + i + 1;
+  cursor = {e0 + n, t0 + n};
+}
+
+[[gnu::always_inline]] inline void Scheduler::apply_stop_rules(Request& r, int32_t slot,
+                                                              int32_t p, int32_t entry) {
+  int32_t stop_token = -1;
+  const FinishReason reason = stop_after_append(r, stop_token);
+  if (publish_decode_blocks(r)) steady_.watch_count[p] = watch_count_of(r);  // the next
+  StepOutput& so = step_output_;
+  so.finish_reasons[entry] = reason;
+  so.stop_tokens[entry] = stop_token;
+  if (reason != FinishReason::kNone) finish_entry(entry, slot, reason, stop_token);
+}
+
 bool Scheduler::apply_steady_run(const Batch& b, const ModelOutputs& out, const SteadyRun& run,
                                  OutputCursor& cursor) {
   const int32_t n = run.n;
@@ -274,7 +298,7 @@ bool Scheduler::apply_steady_run(const Batch& b, const ModelOutputs& out, const 
     marks[i] = (sampled[i] == watch_tokens[i]) | (counts[i] >= watch_counts[i]);
   // The requests themselves, and the entry columns they decide.
   StepOutput& so = step_output_;
-  const int32_t e0 = cursor.entries, t0 = cursor.tokens;
+  const int32_t e0 = cursor.entries;
   int32_t* __restrict prefix_hits = so.prefix_hit_tokens.data() + e0;
   uint8_t* __restrict wants = so.wants_logprobs.data() + e0;
   for (int32_t i = 0; i < n; ++i) {
@@ -284,28 +308,13 @@ bool Scheduler::apply_steady_run(const Batch& b, const ModelOutputs& out, const 
     prefix_hits[i] = r.prefix_hit_tokens;
     wants[i] = r.wants_logprobs;
   }
-  // One entry and one token a row: the other entry columns in passes.
-  std::copy_n(b.req_ids.data() + run.row0, n, so.req_ids.data() + e0);
-  std::copy_n(sampled, n, so.new_tokens.data() + t0);
-  int32_t* __restrict offsets = so.token_offsets.data() + e0 + 1;
-  for (int32_t i = 0; i < n; ++i) offsets[i] = t0 + i + 1;
+  // The other entry columns in passes: no row stopped, unless flagged below.
   std::fill_n(so.finish_reasons.data() + e0, n, FinishReason::kNone);
   std::fill_n(so.stop_tokens.data() + e0, n, -1);
-  cursor = {e0 + n, t0 + n};
-  // The flagged rows, in order (finished entries stay sorted): the stop rules, publishing.
+  write_one_token_entries(b, out, run.row0, n, cursor);
+  // The flagged rows, in order (finished entries stay sorted).
   for_each_marked(marks, n, [&](int32_t i) {
-    const int32_t slot = slots[i];
-    Request& r = requests_[slot];
-    int32_t stop_token = -1;
-    const FinishReason reason = stop_after_append(r, stop_token);
-    publish_decode_blocks(r);
-    if (reason == FinishReason::kNone) {
-      h.watch_count[at + static_cast<size_t>(i)] = watch_count(r);  // it published: the next
-      return;
-    }
-    so.finish_reasons[e0 + i] = reason;
-    so.stop_tokens[e0 + i] = stop_token;
-    finish_entry(e0 + i, slot, reason, stop_token);
+    apply_stop_rules(requests_[slots[i]], slots[i], run.at + i, e0 + i);
   });
   return true;
 }
@@ -318,8 +327,6 @@ int32_t Scheduler::apply_plain_decode_rows(const Batch& b, const ModelOutputs& o
   const int32_t* __restrict sampled = out.sampled_token_ids.data();
   StepOutput& so = step_output_;
   const int32_t shift = cursor.entries - first;  // row + shift: the row's entry
-  FinishReason* __restrict reasons = so.finish_reasons.data();
-  int32_t* __restrict stop_tokens = so.stop_tokens.data();
   int32_t* __restrict prefix_hits = so.prefix_hit_tokens.data();
   uint8_t* __restrict wants = so.wants_logprobs.data();
   int32_t* __restrict last_tokens = steady_.last_token.data();
@@ -336,23 +343,12 @@ int32_t Scheduler::apply_plain_decode_rows(const Batch& b, const ModelOutputs& o
     const int32_t p = r.run_pos;
     last_tokens[p] = r.last_token;
     token_counts[p] = r.token_count;
-    int32_t stop_token = -1;
-    const FinishReason reason = stop_after_append(r, stop_token);
-    if (publish_decode_blocks(r)) steady_.watch_count[p] = watch_count(r);  // the next
     const int32_t e = row + shift;
-    reasons[e] = reason;
-    stop_tokens[e] = stop_token;
     prefix_hits[e] = r.prefix_hit_tokens;
     wants[e] = r.wants_logprobs;
-    if (reason != FinishReason::kNone) finish_entry(e, slot, reason, stop_token);
+    apply_stop_rules(r, slot, p, e);
   }
-  // One entry and one token a row: the ids, tokens and offsets in passes.
-  const int32_t n = row - first, e0 = cursor.entries, t0 = cursor.tokens;
-  std::copy_n(b.req_ids.data() + first, n, so.req_ids.data() + e0);
-  std::copy_n(sampled + first, n, so.new_tokens.data() + t0);
-  int32_t* __restrict offsets = so.token_offsets.data() + e0 + 1;
-  for (int32_t i = 0; i < n; ++i) offsets[i] = t0 + i + 1;
-  cursor = {e0 + n, t0 + n};
+  write_one_token_entries(b, out, first, row - first, cursor);
   return row;
 }
 

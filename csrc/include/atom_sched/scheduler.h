@@ -291,7 +291,7 @@ class Scheduler {
   /// What steady_ holds for a running request (the one rule sync_steady() writes and
   /// check_invariants() checks).
   [[nodiscard]] SteadyRows::Entry steady_entry(const Request& r) const;
-  [[nodiscard]] int32_t watch_count(const Request& r) const;  // SteadyRows::watch_count's
+  [[nodiscard]] int32_t watch_count_of(const Request& r) const;  // its SteadyRows::watch_count
   void sync_steady(const Request& r);  // steady_ at r.run_pos from r (K = 0 only)
   /// A run of steady K = 0 rows: batch rows [row0, row0 + n) took running_[at, at + n).
   /// Recorded per batch buffer (steady_runs_), so that update() applies their outputs as
@@ -426,6 +426,14 @@ class Scheduler {
   /// The plain rows of [row, end), from `row`: returns the first row that is not plain.
   int32_t apply_plain_decode_rows(const Batch& b, const ModelOutputs& out, int32_t row,
                                   int32_t end, OutputCursor& cursor);
+  /// A plain K = 0 row's token, just appended to its running request (at position p of the
+  /// running set): the stop rules, publishing (and the watch_count that follows), and entry
+  /// `entry`'s finish reason and stop token; finishes the request if it stopped.
+  void apply_stop_rules(Request& r, int32_t slot, int32_t p, int32_t entry);
+  /// The entry columns of rows [first, first + n), plain K = 0 rows (one entry and one token
+  /// each), written in passes from the cursor on, which moves past them.
+  void write_one_token_entries(const Batch& b, const ModelOutputs& out, int32_t first, int32_t n,
+                               OutputCursor& cursor);
   /// The same for a K > 0 step: the plain decode rows from the first (running, nothing to stream
   /// besides, no log-probabilities), each rolling back its rejected drafts and appending its
   /// accepted tokens, with the step's acceptance statistics summed once. Leaves `cursor` after
@@ -531,7 +539,7 @@ inline int32_t Scheduler::steady_bound(const Request& r) const {
   return steady ? std::min(size * bs, position_limit_) : 0;
 }
 
-inline int32_t Scheduler::watch_count(const Request& r) const {
+inline int32_t Scheduler::watch_count_of(const Request& r) const {
   // The tokens whose append needs a look in update(): the length limit, and the token that
   // completes a block to publish (its KV is then verified: publish_decode_blocks()); every token
   // with stop lists. (And EOS: watch_token.)
@@ -552,7 +560,7 @@ inline Scheduler::SteadyRows::Entry Scheduler::steady_entry(const Request& r) co
           .slot_delta = (int64_t{r.last_block} - (r.table_size - 1)) * bs,
           .epoch = r.epoch,
           .watch_token = r.ignore_eos ? -1 : config_.eos_token_id,  // any rule may stop it
-          .watch_count = watch_count(r)};
+          .watch_count = watch_count_of(r)};
 }
 
 }  // namespace atom_sched
