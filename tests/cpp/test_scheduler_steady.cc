@@ -32,8 +32,8 @@ int32_t ModelToken(int64_t id, int32_t n) {
   return 10 + static_cast<int32_t>((id * 31 + n * 7) % 89);
 }
 
-SchedulerConfig SteadyCfg() {
-  SchedulerConfig c = Cfg(/*usable_blocks=*/400, /*block_size=*/4);
+SchedulerConfig SteadyCfg(int32_t usable_blocks) {
+  SchedulerConfig c = Cfg(usable_blocks, /*block_size=*/4);
   c.max_num_seqs = 48;  // runs longer than 32 rows: a hole does not squeeze the set at once
   c.max_num_batched_tokens = 1024;
   c.eos_token_id = kEos;
@@ -49,13 +49,14 @@ SamplingParams Params(int64_t id) {
   return p;
 }
 
-// Runs 48 requests to the end, synchronously (steady rows) or one step ahead (no row is
+// Runs `requests` requests to the end, synchronously (steady rows) or one step ahead (no row is
 // steady: each has a batch in flight), with `abort_at(step)` aborting a request between a
-// schedule() and its update().
+// schedule() and its update(). With fewer blocks than they need at once, some are preempted.
 template <class AbortAt>
-Streams RunToTheEnd(bool one_step_ahead, AbortAt abort_at) {
-  H h(SteadyCfg());
-  for (int64_t id = 0; id < 48; ++id) {
+Streams RunToTheEnd(bool one_step_ahead, AbortAt abort_at, int32_t usable_blocks = 400,
+                    int64_t requests = 48, int64_t* preemptions = nullptr) {
+  H h(SteadyCfg(usable_blocks));
+  for (int64_t id = 0; id < requests; ++id) {
     V prompt = Seq(static_cast<int32_t>(100 + id), 5 + static_cast<int32_t>(id % 9));
     h.add(id, prompt, Params(id));
   }
@@ -79,7 +80,7 @@ Streams RunToTheEnd(bool one_step_ahead, AbortAt abort_at) {
     res.Apply(h, q.front(), ModelToken);
     q.pop_front();
     // Synchronously, every running request has published the blocks its verified KV fills.
-    for (int64_t id : h.s.running_ids()) {
+    for (int64_t id : one_step_ahead ? std::vector<int64_t>{} : h.s.running_ids()) {
       const Request& r = h.s.request(id);
       if (r.num_inflight > 0 || r.is_partial_prefill()) continue;
       EXPECT_GE(r.blocks_published, (r.num_tokens() - 1) / 4) << "request " << id;
@@ -87,7 +88,8 @@ Streams RunToTheEnd(bool one_step_ahead, AbortAt abort_at) {
     ++step;
   }
   EXPECT_FALSE(h.s.has_unfinished_requests());
-  EXPECT_EQ(h.s.block_pool().num_free_blocks(), 400);
+  EXPECT_EQ(h.s.block_pool().num_free_blocks(), usable_blocks);
+  if (preemptions != nullptr) *preemptions = h.s.stats().num_preemptions;
   return res;
 }
 
@@ -133,6 +135,24 @@ TEST(SteadyRowsTest, AbortsBetweenScheduleAndUpdateLeaveTheRunIntact) {
     for (const auto& [id, tokens] : rest.tokens) EXPECT_EQ(tokens, plain.tokens.at(id)) << id;
     for (const auto& [id, why] : rest.why) EXPECT_EQ(why, plain.why.at(id)) << id;
     EXPECT_EQ(rest.why.size() + aborted.size(), plain.why.size());
+  }
+}
+
+TEST(SteadyRowsTest, PreemptionsAndAdmissionsBetweenRunsStreamTheSame) {
+  // 144 requests queued for 48 rows and a pool too small for all 48 at once: rows finish,
+  // requests are preempted and admitted while others run steady, so runs split, holes appear and
+  // the set is squeezed between a batch and its update (one step ahead).
+  int64_t preemptions = 0;
+  const Streams sync =
+      RunToTheEnd(false, NoAborts, /*usable_blocks=*/120, /*requests=*/144, &preemptions);
+  const Streams ahead = RunToTheEnd(true, NoAborts, /*usable_blocks=*/120, /*requests=*/144);
+  EXPECT_GT(preemptions, 0) << "the pool should be too small for every running request";
+  EXPECT_EQ(sync.why.size(), 144u);
+  EXPECT_EQ(sync.tokens, ahead.tokens);
+  EXPECT_EQ(sync.why, ahead.why);
+  for (const auto& [id, tokens] : sync.tokens) {
+    for (size_t n = 0; n < tokens.size(); ++n)
+      EXPECT_EQ(tokens[n], ModelToken(id, static_cast<int32_t>(n))) << id;
   }
 }
 
