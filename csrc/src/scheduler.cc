@@ -17,6 +17,7 @@ namespace atom_sched {
 using detail::ceil_div;
 using detail::for_each_marked;
 using detail::id_str;
+using detail::inclusive_sums;
 
 double SchedulerStats::prefix_hit_rate() const noexcept {
   return prefix_query_tokens > 0 ? static_cast<double>(prefix_hit_tokens) / prefix_query_tokens
@@ -857,10 +858,7 @@ const Batch* Scheduler::schedule(double now, bool allow_prefill) {
     b.set_header(kept);
     return nullptr;
   }
-  if (block_shift_ >= 0)
-    derive_row_columns<true>(b);
-  else
-    derive_row_columns<false>(b);
+  derive_row_columns(b);
   b.id = next_batch_id_++;
   b.is_prefill = decode_rows == 0;
   b.num_spec_tokens = decode_rows > 0 ? k_ : 0;
@@ -921,11 +919,6 @@ using I64x4 = int64_t __attribute__((vector_size(32)));
 // prompt token, so it is compiled twice (function multiversioning): with AVX2 where the CPU has
 // it (4 int64 lanes a store), else for the baseline x86-64 (SSE2, 2 lanes). The loader picks the
 // clone once.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define ATOM_SCHED_AVX2_CLONES [[gnu::target_clones("avx2", "default")]]
-#else
-#define ATOM_SCHED_AVX2_CLONES
-#endif
 ATOM_SCHED_AVX2_CLONES [[gnu::noinline]] void fill_positions(
     int64_t* __restrict positions, int64_t* __restrict slots, int32_t start, int32_t n,
     const int32_t* table, int32_t offset, int64_t base, int32_t bs) {
@@ -1047,8 +1040,7 @@ template <bool kPow2>
   return row;
 }
 
-template <bool kPow2>
-void Scheduler::derive_row_columns(Batch& b) const {
+ATOM_SCHED_AVX2_CLONES void Scheduler::derive_row_columns(Batch& b) const {
   const int32_t rows = b.num_rows;
   const int32_t* __restrict cached = b.num_cached_tokens.data();
   const int32_t* __restrict scheduled = b.num_scheduled_tokens.data();
@@ -1059,22 +1051,20 @@ void Scheduler::derive_row_columns(Batch& b) const {
   for (int32_t i = 0; i < rows; ++i) {  // vectorised
     const int32_t end = cached[i] + scheduled[i];  // >= 1: a row schedules a token at least
     context[i] = end;
-    // The tokens in the block holding position end - 1.
-    last_fill[i] = kPow2 ? ((end - 1) & (bs - 1)) + 1 : end - (end - 1) / bs * bs;
     max_q = std::max(max_q, scheduled[i]);
     max_k = std::max(max_k, end);
   }
+  // The tokens in the block holding position end - 1.
+  if (block_shift_ >= 0) {
+    for (int32_t i = 0; i < rows; ++i) last_fill[i] = ((context[i] - 1) & (bs - 1)) + 1;
+  } else {
+    for (int32_t i = 0; i < rows; ++i)
+      last_fill[i] = context[i] - (context[i] - 1) / bs * bs;
+  }
   b.max_seqlen_q = max_q;
   b.max_seqlen_k = max_k;
-  int32_t* __restrict cu_q = b.cu_seqlens_q.data();
-  int32_t* __restrict cu_k = b.cu_seqlens_k.data();
-  int32_t sum_q = 0, sum_k = 0;
-  for (int32_t i = 0; i < rows; ++i) {  // prefix sums: sequential
-    sum_q += scheduled[i];
-    sum_k += context[i];
-    cu_q[i + 1] = sum_q;
-    cu_k[i + 1] = sum_k;
-  }
+  inclusive_sums(scheduled, b.cu_seqlens_q.data() + 1, rows);
+  inclusive_sums(context, b.cu_seqlens_k.data() + 1, rows);
 }
 
 void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
@@ -1114,23 +1104,27 @@ template <bool kPow2>
   return n > 0 && block == block_in<kPow2>(start + n - 1) && block < size ? n : 0;
 }
 
-size_t Scheduler::steady_run_end(size_t at, size_t limit) const {
+ATOM_SCHED_AVX2_CLONES size_t Scheduler::steady_run_end(size_t at, size_t limit) const {
   const SteadyRows& h = steady_;
+  const int32_t* __restrict reach = h.reach.data();
+  const int32_t* __restrict computed = h.computed.data();
+  const int32_t* __restrict count = h.token_count.data();
+  constexpr size_t kTest = 32;  // entries a test (a loop the vectoriser takes), then one by one
   size_t end = at;
-  for (; end + 8 <= limit; end += 8) {  // eight entries a test (vectorised), then one by one
+  for (; end + kTest <= limit; end += kTest) {
     // takes_row() in lanes: nonzero where an entry does not (computed >= reach: the sign of
     // reach - computed - 1; or not synchronous).
     int32_t not_taken = 0;
-    for (size_t j = end; j < end + 8; ++j)
-      not_taken |= ((h.reach[j] - h.computed[j] - 1) & std::numeric_limits<int32_t>::min()) |
-                   ((h.computed[j] + 1) ^ h.token_count[j]);
+    for (size_t j = end; j < end + kTest; ++j)
+      not_taken |= ((reach[j] - computed[j] - 1) & std::numeric_limits<int32_t>::min()) |
+                   ((computed[j] + 1) ^ count[j]);
     if (not_taken != 0) break;
   }
   while (end < limit && h.takes_row(end)) ++end;
   return end;
 }
 
-int32_t Scheduler::take_next_blocks(Batch& b, size_t at, int32_t n) {
+ATOM_SCHED_AVX2_CLONES int32_t Scheduler::take_next_blocks(Batch& b, size_t at, int32_t n) {
   // In order, as the general path would take them: the pool hands out the same blocks. The
   // shipped-block offsets run on from the batch's so far, one more after each such row.
   SteadyRows& h = steady_;
@@ -1166,7 +1160,7 @@ int32_t Scheduler::take_next_blocks(Batch& b, size_t at, int32_t n) {
   return n;
 }
 
-void Scheduler::refresh_changed_rows(Batch& b, size_t at, int32_t n) {
+ATOM_SCHED_AVX2_CLONES void Scheduler::refresh_changed_rows(Batch& b, size_t at, int32_t n) {
   // Rows that held another admission in this buffer (they shifted: a request before them left)
   // take this one's constant columns and block table; a row whose table grew, its new blocks.
   // A test of them all first (vectorised). Shifted rows come many at once (every row after the
@@ -1200,7 +1194,7 @@ void Scheduler::refresh_changed_rows(Batch& b, size_t at, int32_t n) {
   }
 }
 
-size_t Scheduler::add_steady_rows(Batch& b, size_t at) {
+ATOM_SCHED_AVX2_CLONES size_t Scheduler::add_steady_rows(Batch& b, size_t at) {
   // The run: the entries from `at` whose columns say steady, or steady after a block more (a
   // hole or another request ends it), one row and one token each, within both budgets.
   const int32_t row0 = b.num_rows;

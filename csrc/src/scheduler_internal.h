@@ -8,6 +8,14 @@
 
 #include "atom_sched/errors.h"
 
+// Function multiversioning: the marked function is compiled twice, with AVX2 where the CPU has it
+// and for the baseline x86-64; the loader picks the clone once.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ATOM_SCHED_AVX2_CLONES [[gnu::target_clones("avx2", "default")]]
+#else
+#define ATOM_SCHED_AVX2_CLONES
+#endif
+
 namespace atom_sched::detail {
 
 inline int32_t ceil_div(int32_t a, int32_t b) { return (a + b - 1) / b; }
@@ -36,6 +44,28 @@ template <class Fn>
   for (uint64_t word = word_at(i0) & (~uint64_t{0} >> (8 * (i0 + 8 - n))); word != 0;
        word &= word - 1)  // the last bytes before n
     fn(i0 + __builtin_ctzll(word) / 8);
+}
+
+// out[i] = in[0] + ... + in[i] for i < n (cu_seqlens), eight lanes a step: a running sum has a
+// dependency chain per element, the lanes one per three shifts. Inline, so it takes the
+// instruction set of the (cloned) function it is inlined into.
+[[gnu::always_inline]] inline void inclusive_sums(const int32_t* __restrict in,
+                                                  int32_t* __restrict out, int32_t n) {
+  using I32x8 = int32_t __attribute__((vector_size(32)));
+  const I32x8 zero{};
+  I32x8 carry{};  // every lane: the sum before this step's eight
+  int32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    I32x8 v;
+    std::memcpy(&v, in + i, sizeof v);
+    v += __builtin_shuffle(zero, v, I32x8{0, 8, 9, 10, 11, 12, 13, 14});  // lanes up by one
+    v += __builtin_shuffle(zero, v, I32x8{0, 1, 8, 9, 10, 11, 12, 13});   // by two
+    v += __builtin_shuffle(zero, v, I32x8{0, 1, 2, 3, 8, 9, 10, 11});     // by four
+    v += carry;
+    std::memcpy(out + i, &v, sizeof v);
+    carry = __builtin_shuffle(v, I32x8{7, 7, 7, 7, 7, 7, 7, 7});
+  }
+  for (int32_t sum = i > 0 ? out[i - 1] : 0; i < n; ++i) out[i] = sum += in[i];
 }
 
 }  // namespace atom_sched::detail

@@ -266,7 +266,7 @@ void Scheduler::finish_entry(int32_t entry, int32_t slot, FinishReason reason,
   if (reason != FinishReason::kNone) finish_entry(entry, slot, reason, stop_token);
 }
 
-bool Scheduler::apply_steady_run(const Batch& b, const ModelOutputs& out, const SteadyRun& run,
+ATOM_SCHED_AVX2_CLONES bool Scheduler::apply_steady_run(const Batch& b, const ModelOutputs& out, const SteadyRun& run,
                                  OutputCursor& cursor) {
   const int32_t n = run.n;
   const size_t at = static_cast<size_t>(run.at);
