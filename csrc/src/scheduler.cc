@@ -239,7 +239,7 @@ void Scheduler::remove_running(Request& r) {
   }
 }
 
-void Scheduler::squeeze_running(bool always) {
+ATOM_SCHED_AVX2_CLONES void Scheduler::squeeze_running(bool always) {
   const bool sparse = running_holes_ * 32 < static_cast<int32_t>(running_.size());
   if (running_holes_ == 0 || (!always && sparse)) return;
   // The entries before the first hole stay; each run of entries after it moves up over the
@@ -955,7 +955,10 @@ ATOM_SCHED_AVX2_CLONES [[gnu::noinline]] void fill_positions(
   int32_t* dst = b.block_tables.data() + static_cast<size_t>(row) * table_width_;
   if (!same_owner && b.row_filled[row] > size)
     std::fill(dst + size, dst + b.row_filled[row], kNullBlock);
-  std::copy(r.block_table.begin() + from, r.block_table.end(), dst + from);
+  if (size - from == 1)  // the usual change: one block appended (no memmove call for one entry)
+    dst[from] = r.last_block;
+  else
+    std::copy(r.block_table.begin() + from, r.block_table.end(), dst + from);
   b.row_filled[row] = size;
 }
 
@@ -1258,7 +1261,7 @@ size_t Scheduler::add_steady_spec_rows(Batch& b, size_t at) {
 }
 
 template <int K, bool kPow2>
-size_t Scheduler::add_steady_decode_rows(Batch& b, size_t at) {
+ATOM_SCHED_AVX2_CLONES size_t Scheduler::add_steady_decode_rows(Batch& b, size_t at) {
   // A tight loop: the columns and limits in locals (no byte store inside, so nothing is
   // reloaded), the byte columns and the batch's counts written at the end.
   static_assert(K > 0, "K = 0 steady rows: add_steady_rows()");

@@ -63,7 +63,7 @@ bool accepted_in_range(const Batch& b, const int32_t* accepted) {
 
 }  // namespace
 
-bool Scheduler::outputs_look_valid(const Batch& b, const ModelOutputs& out) const {
+ATOM_SCHED_AVX2_CLONES bool Scheduler::outputs_look_valid(const Batch& b, const ModelOutputs& out) const {
   const int32_t* sampled = out.sampled_token_ids.data();
   const int32_t* accepted = out.num_accepted.empty() ? nullptr : out.num_accepted.data();
   const int32_t* drafts = out.draft_token_ids.data();
@@ -387,7 +387,7 @@ void Scheduler::apply_k0_rows(const Batch& b, const ModelOutputs& out,
 }
 
 template <int K>
-void Scheduler::apply_plain_spec_rows(const Batch& b, const ModelOutputs& out,
+ATOM_SCHED_AVX2_CLONES void Scheduler::apply_plain_spec_rows(const Batch& b, const ModelOutputs& out,
                                       OutputCursor& cursor) {
   const int32_t rows = b.num_rows;
   constexpr int32_t k = K;  // the draft loops unroll
