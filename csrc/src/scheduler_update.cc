@@ -397,8 +397,16 @@ ATOM_SCHED_AVX2_CLONES void Scheduler::apply_plain_spec_rows(const Batch& b, con
   const int32_t* __restrict sampled = out.sampled_token_ids.data();
   const int32_t* __restrict accepted = out.num_accepted.data();
   const int32_t* __restrict drafts = out.draft_token_ids.data();
+  // The entry columns through local pointers: through so.column[row], a byte store (a finish
+  // reason) would reload every column's pointer. (update() sized them: nothing reallocates.)
   StepOutput& so = step_output_;
   int32_t* __restrict tokens_out = so.new_tokens.data();
+  int64_t* __restrict ids_out = so.req_ids.data();
+  int32_t* __restrict offsets_out = so.token_offsets.data();
+  FinishReason* __restrict reasons_out = so.finish_reasons.data();
+  int32_t* __restrict stop_tokens_out = so.stop_tokens.data();
+  int32_t* __restrict prefix_hits_out = so.prefix_hit_tokens.data();
+  uint8_t* __restrict wants_out = so.wants_logprobs.data();
   int64_t* __restrict acceptance_counts = stats_.acceptance_counts.data();
   int32_t row = 0, num_tokens = 0;
   int64_t drafted = 0, accepted_drafts = 0;
@@ -427,12 +435,12 @@ ATOM_SCHED_AVX2_CLONES void Scheduler::apply_plain_spec_rows(const Batch& b, con
     }
     publish_decode_blocks(r);
     num_tokens += kept;
-    so.req_ids[row] = r.id;
-    so.token_offsets[row + 1] = num_tokens;
-    so.finish_reasons[row] = reason;
-    so.stop_tokens[row] = stop_token;
-    so.prefix_hit_tokens[row] = r.prefix_hit_tokens;
-    so.wants_logprobs[row] = r.wants_logprobs;
+    ids_out[row] = r.id;
+    offsets_out[row + 1] = num_tokens;
+    reasons_out[row] = reason;
+    stop_tokens_out[row] = stop_token;
+    prefix_hits_out[row] = r.prefix_hit_tokens;
+    wants_out[row] = r.wants_logprobs;
     if (reason != FinishReason::kNone) finish_entry(row, slot, reason, stop_token);
   }
   stats_.num_spec_steps += row;
