@@ -9,8 +9,11 @@
 #include "atom_sched/errors.h"
 
 // Function multiversioning: the marked function is compiled twice, with AVX2 where the CPU has it
-// and for the baseline x86-64; the loader picks the clone once.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// and for the baseline x86-64; the loader picks the clone once. (CMake's
+// ATOM_SCHED_MULTIVERSION=OFF, the sanitized test build, compiles the baseline alone, so that the
+// suites run it too.)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(ATOM_SCHED_NO_MULTIVERSION)
 #define ATOM_SCHED_AVX2_CLONES [[gnu::target_clones("avx2", "default")]]
 #else
 #define ATOM_SCHED_AVX2_CLONES
