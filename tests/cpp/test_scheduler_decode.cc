@@ -48,33 +48,33 @@ TEST(RequestLayout, DecodeStepFieldsShareTheirCacheLines) {
     return p - base >= 64 * line && p + sizeof(field) - base <= 64 * (line + 1);
   };
 #define EXPECT_IN_LINE(field, line) EXPECT_TRUE(in_line(r.field, line)) << #field
-  // Line 0: all a steady decode row reads or writes in schedule().
-  EXPECT_IN_LINE(status, 0);
+  // Line 0: all a steady K = 0 row reads or writes, in schedule() (the steady columns hold the
+  // rest) and in update() (the token appended through the vector's pointers).
   EXPECT_IN_LINE(num_computed_tokens, 0);
-  EXPECT_IN_LINE(prefill_target, 0);
   EXPECT_IN_LINE(num_inflight, 0);
-  EXPECT_IN_LINE(num_unstreamed, 0);
-  EXPECT_IN_LINE(run_pos, 0);  // update() finds its steady columns with it
-  EXPECT_IN_LINE(stop_length, 0);
   EXPECT_IN_LINE(token_count, 0);
   EXPECT_IN_LINE(last_token, 0);
-  EXPECT_IN_LINE(table_size, 0);
-  EXPECT_IN_LINE(last_block, 0);
-  EXPECT_IN_LINE(blocks_shipped, 0);
-  EXPECT_IN_LINE(epoch, 0);
-  // update() reads these as well, then line 1.
+  EXPECT_IN_LINE(tokens, 0);
+  EXPECT_IN_LINE(prefix_hit_tokens, 0);
+  EXPECT_IN_LINE(wants_logprobs, 0);
+  // And what a speculative row's output is checked against first (the flagged K = 0 rows too).
+  EXPECT_IN_LINE(status, 0);
+  EXPECT_IN_LINE(num_unstreamed, 0);
   EXPECT_IN_LINE(has_stop_lists, 0);
   EXPECT_IN_LINE(ignore_eos, 0);
-  EXPECT_IN_LINE(wants_logprobs, 0);
+  EXPECT_IN_LINE(stop_length, 0);
+  EXPECT_IN_LINE(min_tokens, 0);
   EXPECT_IN_LINE(blocks_published, 0);
-  EXPECT_IN_LINE(prefix_hit_tokens, 0);
+  // Line 1: what a row with drafts reads besides, in schedule() and in update().
+  EXPECT_IN_LINE(drafts, 1);
+  EXPECT_IN_LINE(num_drafts, 1);
+  EXPECT_IN_LINE(prefill_target, 1);
+  EXPECT_IN_LINE(epoch, 1);
   EXPECT_IN_LINE(id, 1);
-  EXPECT_IN_LINE(tokens, 1);
-  EXPECT_IN_LINE(block_table, 1);
-  EXPECT_IN_LINE(min_tokens, 1);
+  EXPECT_IN_LINE(table_size, 1);
+  EXPECT_IN_LINE(last_block, 1);
+  EXPECT_IN_LINE(blocks_shipped, 1);
   EXPECT_IN_LINE(num_prompt_tokens, 1);
-  // A row with drafts reads these with its drafts.
-  EXPECT_IN_LINE(num_drafts, 2);
 #undef EXPECT_IN_LINE
 }
 

@@ -25,47 +25,49 @@ namespace atom_sched {
 enum class RequestStatus : uint8_t { kWaiting, kRunning, kFinished, kWaitingForRemoteKv };
 
 struct alignas(64) Request {
-  // Grouped by the cache lines a steady decode step touches, so that a row costs two or three
-  // lines of its request (plus its token tail) rather than five: at thousands of running
+  // Grouped by the cache lines a steady decode step touches, so that a row costs one line of
+  // its request (two with drafts; plus its token tail) rather than five: at thousands of running
   // requests these records outgrow the L2 and each line is a miss. The queues live outside (the
   // waiting links, the running set's array), so walking one does not chain misses through
   // records.
   //
-  // Line 0 (64 bytes): everything a steady decode row reads or writes in schedule() (which then
-  // touches no other line of the record), and the flags and counters update() needs besides.
+  // Line 0 (64 bytes): everything a steady K = 0 row reads or writes, in schedule() and in
+  // update() (the token appended: the vector's pointers are here, so an append touches this line
+  // and the token tail only), and the counters a speculative row's output is checked against.
   RequestStatus status = RequestStatus::kFinished;
   bool has_stop_lists = false;      // stop_token_ids or stop_sequences non-empty
   bool ignore_eos = false;
   bool wants_logprobs = false;
   int32_t num_computed_tokens = 0;  // S
-  int32_t prefill_target = 0;       // tokens to prefill at this admission (R when admitted)
   int32_t num_inflight = 0;
-  int32_t num_unstreamed = 0;      // trailing tokens known but not streamed yet (an injected T0)
-  int32_t run_pos = -1;            // its index in the scheduler's running set while running
-  int32_t stop_length = 0;         // a length rule ends it once it holds this many tokens
-  // Copies of tokens.size(), tokens.back(), block_table.size() and block_table.back(), so that
-  // a row reads neither vector: kept by append_token(), set_tokens() and table_changed(), and
-  // checked by Scheduler::check_invariants().
+  // Copies of tokens.size() and tokens.back() (and below, of block_table.size() and
+  // block_table.back()), so that a row reads neither vector: kept by append_token(), set_tokens()
+  // and table_changed(), and checked by Scheduler::check_invariants().
   int32_t token_count = 0;
   int32_t last_token = -1;
+  int32_t prefix_hit_tokens = 0;    // cache-hit tokens at the last admission
+  std::vector<int32_t> tokens;        // R real tokens
+  int32_t num_unstreamed = 0;      // trailing tokens known but not streamed yet (an injected T0)
+  int32_t stop_length = 0;         // a length rule ends it once it holds this many tokens
+  int32_t min_tokens = 0;          // no EOS, stop token or sequence ends it before this many
+  int32_t blocks_published = 0;     // leading blocks the prefix cache knows (hits, published)
+
+  // Line 1: what a speculative (K > 0) row reads besides, in schedule() (its drafts, its
+  // admission and last block) and in update() (the id, the drafts it keeps).
+  std::vector<int32_t> drafts;        // K drafts proposed with the last output, -1 padded
+  int32_t num_drafts = 0;          // leading entries of `drafts` the drafter proposed (<= K)
+  int32_t prefill_target = 0;       // tokens to prefill at this admission (R when admitted)
+  uint64_t epoch = 0;               // unique per admission (a new block table); 0: never admitted
+  int64_t id = -1;
   int32_t table_size = 0;
   int32_t last_block = -1;
   int32_t blocks_shipped = 0;       // block-table entries already sent to the device slot
-  int32_t blocks_published = 0;     // leading blocks the prefix cache knows (hits, published)
-  int32_t prefix_hit_tokens = 0;    // cache-hit tokens at the last admission
-  uint64_t epoch = 0;               // unique per admission (a new block table); 0: never admitted
-
-  // Line 1: what update() needs besides: the id (every output entry), the tokens it appends to,
-  // the min_tokens rule's counts; and the block table, read when a row crosses a block.
-  int64_t id = -1;
-  std::vector<int32_t> tokens;        // R real tokens
-  std::vector<int32_t> block_table;   // KV block ids
-  int32_t min_tokens = 0;          // no EOS, stop token or sequence ends it before this many
   int32_t num_prompt_tokens = 0;
 
-  // Line 2: MTP drafts, and the columns a row copies when it changes owner.
-  std::vector<int32_t> drafts;        // K drafts proposed with the last output, -1 padded
-  int32_t num_drafts = 0;          // leading entries of `drafts` the drafter proposed (<= K)
+  // Line 2: the block table (read when a row crosses into a block), and the columns a row
+  // copies when it changes owner.
+  std::vector<int32_t> block_table;   // KV block ids
+  int32_t run_pos = -1;            // its index in the scheduler's running set while running
   int32_t device_slot = -1;         // 0..max_num_seqs-1 while admitted
   int32_t state_slot = -1;
   float temperature = 1.0f;
