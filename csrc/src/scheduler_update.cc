@@ -63,7 +63,8 @@ bool accepted_in_range(const Batch& b, const int32_t* accepted) {
 
 }  // namespace
 
-ATOM_SCHED_AVX2_CLONES bool Scheduler::outputs_look_valid(const Batch& b, const ModelOutputs& out) const {
+ATOM_SCHED_AVX2_CLONES bool Scheduler::outputs_look_valid(const Batch& b,
+                                                          const ModelOutputs& out) const {
   const int32_t* sampled = out.sampled_token_ids.data();
   const int32_t* accepted = out.num_accepted.empty() ? nullptr : out.num_accepted.data();
   const int32_t* drafts = out.draft_token_ids.data();
@@ -266,8 +267,9 @@ void Scheduler::finish_entry(int32_t entry, int32_t slot, FinishReason reason,
   if (reason != FinishReason::kNone) finish_entry(entry, slot, reason, stop_token);
 }
 
-ATOM_SCHED_AVX2_CLONES bool Scheduler::apply_steady_run(const Batch& b, const ModelOutputs& out, const SteadyRun& run,
-                                 OutputCursor& cursor) {
+ATOM_SCHED_AVX2_CLONES bool Scheduler::apply_steady_run(const Batch& b, const ModelOutputs& out,
+                                                        const SteadyRun& run,
+                                                        OutputCursor& cursor) {
   const int32_t n = run.n;
   const size_t at = static_cast<size_t>(run.at);
   if (at + static_cast<size_t>(n) > running_.size()) return false;
@@ -387,8 +389,9 @@ void Scheduler::apply_k0_rows(const Batch& b, const ModelOutputs& out,
 }
 
 template <int K>
-ATOM_SCHED_AVX2_CLONES void Scheduler::apply_plain_spec_rows(const Batch& b, const ModelOutputs& out,
-                                      OutputCursor& cursor) {
+ATOM_SCHED_AVX2_CLONES void Scheduler::apply_plain_spec_rows(const Batch& b,
+                                                             const ModelOutputs& out,
+                                                             OutputCursor& cursor) {
   const int32_t rows = b.num_rows;
   constexpr int32_t k = K;  // the draft loops unroll
   const int32_t* __restrict slots = b.request_index.data();

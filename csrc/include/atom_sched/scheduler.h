@@ -362,7 +362,8 @@ class Scheduler {
   void add_prefill_row(Batch& b, int32_t slot, int32_t chunk);
   /// The columns that follow from each row's cached and scheduled token counts (context_lens,
   /// last_block_num_tokens, cu_seqlens_q/k, max_seqlen_q/k), for every row at once: the row
-  /// helpers write only what a request gives, and these passes vectorise.
+  /// helpers write only what a request gives, and these passes vectorise. Out of line: inlined
+  /// into schedule(), its AVX2 clone would be dropped.
   [[gnu::noinline]] void derive_row_columns(Batch& b) const;
   template <bool kSpec, bool kPow2>
   void add_decode_row(Batch& b, int32_t slot, int32_t num_tokens);
