@@ -51,7 +51,8 @@ template <class Fn>
 
 // out[i] = in[0] + ... + in[i] for i < n (cu_seqlens), eight lanes a step: a running sum has a
 // dependency chain per element, the lanes one per three shifts. Inline, so it takes the
-// instruction set of the (cloned) function it is inlined into.
+// instruction set of the (cloned) function it is inlined into. (__builtin_shufflevector: GCC 12
+// and Clang both have it; the fuzz targets build with Clang.)
 [[gnu::always_inline]] inline void inclusive_sums(const int32_t* __restrict in,
                                                   int32_t* __restrict out, int32_t n) {
   using I32x8 = int32_t __attribute__((vector_size(32)));
@@ -61,12 +62,12 @@ template <class Fn>
   for (; i + 8 <= n; i += 8) {
     I32x8 v;
     std::memcpy(&v, in + i, sizeof v);
-    v += __builtin_shuffle(zero, v, I32x8{0, 8, 9, 10, 11, 12, 13, 14});  // lanes up by one
-    v += __builtin_shuffle(zero, v, I32x8{0, 1, 8, 9, 10, 11, 12, 13});   // by two
-    v += __builtin_shuffle(zero, v, I32x8{0, 1, 2, 3, 8, 9, 10, 11});     // by four
+    v += __builtin_shufflevector(zero, v, 0, 8, 9, 10, 11, 12, 13, 14);  // lanes up by one
+    v += __builtin_shufflevector(zero, v, 0, 1, 8, 9, 10, 11, 12, 13);   // by two
+    v += __builtin_shufflevector(zero, v, 0, 1, 2, 3, 8, 9, 10, 11);     // by four
     v += carry;
     std::memcpy(out + i, &v, sizeof v);
-    carry = __builtin_shuffle(v, I32x8{7, 7, 7, 7, 7, 7, 7, 7});
+    carry = __builtin_shufflevector(v, v, 7, 7, 7, 7, 7, 7, 7, 7);
   }
   for (int32_t sum = i > 0 ? out[i - 1] : 0; i < n; ++i) out[i] = sum += in[i];
 }
