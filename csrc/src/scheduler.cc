@@ -265,34 +265,15 @@ ATOM_SCHED_AVX2_CLONES void Scheduler::squeeze_running(bool always) {
 }
 
 void Scheduler::SteadyRows::move_run(size_t from, size_t to, size_t n) {
-  const auto shift = [&](auto& column) {  // to < from: a forward copy may overlap
+  for_each_column([&](auto& column) {  // to < from: a forward copy may overlap
     std::copy(column.begin() + static_cast<std::ptrdiff_t>(from),
               column.begin() + static_cast<std::ptrdiff_t>(from + n),
               column.begin() + static_cast<std::ptrdiff_t>(to));
-  };
-  shift(bound);
-  shift(reach);
-  shift(computed);
-  shift(token_count);
-  shift(last_token);
-  shift(table_size);
-  shift(slot_delta);
-  shift(epoch);
-  shift(watch_token);
-  shift(watch_count);
+  });
 }
 
 void Scheduler::SteadyRows::resize(size_t n) {
-  bound.resize(n);
-  reach.resize(n);
-  computed.resize(n);
-  token_count.resize(n);
-  last_token.resize(n);
-  table_size.resize(n);
-  slot_delta.resize(n);
-  epoch.resize(n);
-  watch_token.resize(n);
-  watch_count.resize(n);
+  for_each_column([n](auto& column) { column.resize(n); });
   marks.resize(n + 8);  // whole 8-byte words past the last row
 }
 
@@ -916,9 +897,7 @@ using I64x4 = int64_t __attribute__((vector_size(32)));
 
 // fill_positions: any row, block by block (a prompt chunk's thousands of tokens). Out of line: a
 // one-token decode row never calls it. An admission writes 16 bytes of positions and slots per
-// prompt token, so it is compiled twice (function multiversioning): with AVX2 where the CPU has
-// it (4 int64 lanes a store), else for the baseline x86-64 (SSE2, 2 lanes). The loader picks the
-// clone once.
+// prompt token: with AVX2 (ATOM_SCHED_AVX2_CLONES) 4 int64 lanes a store, else 2.
 ATOM_SCHED_AVX2_CLONES [[gnu::noinline]] void fill_positions(
     int64_t* __restrict positions, int64_t* __restrict slots, int32_t start, int32_t n,
     const int32_t* table, int32_t offset, int64_t base, int32_t bs) {

@@ -255,6 +255,12 @@ class Scheduler {
     std::vector<int32_t> watch_token;
     std::vector<int32_t> watch_count;
     std::vector<uint8_t> marks;  // scratch of the steady passes: the rows a pass flags
+    /// fn(column) for every column but the scratch (the list resize() and move_run() walk).
+    template <class Fn>
+    void for_each_column(Fn&& fn) {
+      fn(bound), fn(reach), fn(computed), fn(token_count), fn(last_token), fn(table_size);
+      fn(slot_delta), fn(epoch), fn(watch_token), fn(watch_count);
+    }
     /// One position's values, every column but the scratch.
     struct Entry {
       int32_t bound, reach, computed, token_count, last_token, table_size;
