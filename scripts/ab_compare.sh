@@ -11,6 +11,8 @@
 set -euo pipefail
 rev=${1:?usage: ab_compare.sh REV [ROUNDS] [BENCH_FILTER]}
 rounds=${2:-4}
+[[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS must be a positive integer, got '$rounds'" >&2; exit 2; }
+git rev-parse --verify -q "$rev^{commit}" >/dev/null || { echo "not a commit: '$rev'" >&2; exit 2; }
 filter=${3:-'BM_DecodeStep/(1024|16384)$|BM_DecodeStepMTP3/(256|1024)'}
 root=$(git rev-parse --show-toplevel)
 work=$(mktemp -d)
