@@ -99,6 +99,10 @@ class BlockPool {
                std::span<const int32_t> tokens, int32_t first_block, int32_t end_block,
                std::string_view lora_name = {}, std::string_view cache_salt = {});
 
+  /// A hint ahead of publish(): requests the prefix cache's lines where registering `hash`
+  /// will probe. Changes nothing (with prefix caching off the map is empty and this is moot).
+  void prefetch_publish(uint64_t hash) const noexcept { map_.prefetch(hash); }
+
   /// Takes a free state slot (the most recently released one), or returns -1 if none is free.
   int32_t take_state_slot();
   void release_state_slot(int32_t slot);

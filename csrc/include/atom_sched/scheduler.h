@@ -448,9 +448,14 @@ class Scheduler {
   void apply_plain_spec_rows(const Batch& b, const ModelOutputs& out, OutputCursor& cursor);
   /// Records step_output_ entry `entry`'s finish (its whole sequence) and finishes the request.
   void finish_entry(int32_t entry, int32_t slot, FinishReason reason, int32_t stop_token);
-  /// Decode-block caching: publishes the blocks a decode row's verified KV completed; true
-  /// when it published any.
+  /// Decode-block caching: the end of the blocks a decode row's verified KV completed, not yet
+  /// published (publish_blocks(r, end)); 0 when there are none.
+  [[nodiscard]] int32_t decode_publish_end(const Request& r) const;
+  /// Publishes them; true when it published any.
   bool publish_decode_blocks(Request& r);
+  /// For the marked rows among `slots[0, n)` that will publish: their blocks' hashes computed,
+  /// and the prefix cache's lines that publishing them reads requested.
+  void hash_ahead(const int32_t* slots, const uint8_t* marks, int32_t n);
   /// The stop condition met by the request's last token, or kNone.
   [[nodiscard]] FinishReason stop_reason(const Request& r, int32_t& stop_token) const;
   /// stop_reason() for the token just appended, its common case (no stop lists) inline.
