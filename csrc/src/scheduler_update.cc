@@ -435,6 +435,7 @@ ATOM_SCHED_AVX2_CLONES void Scheduler::apply_plain_spec_rows(const Batch& b,
   int32_t* __restrict prefix_hits_out = so.prefix_hit_tokens.data();
   uint8_t* __restrict wants_out = so.wants_logprobs.data();
   int64_t* __restrict acceptance_counts = stats_.acceptance_counts.data();
+  uint8_t* __restrict marks = steady_.marks.data();  // the rows to publish or finish
   int32_t row = 0, num_tokens = 0;
   int64_t drafted = 0, accepted_drafts = 0;
   for (; row < rows; ++row) {
@@ -460,7 +461,6 @@ ATOM_SCHED_AVX2_CLONES void Scheduler::apply_plain_spec_rows(const Batch& b,
       tokens_out[num_tokens + kept++] = r.last_token;
       reason = stop_after_append(r, stop_token);
     }
-    publish_decode_blocks(r);
     num_tokens += kept;
     ids_out[row] = r.id;
     offsets_out[row + 1] = num_tokens;
@@ -468,8 +468,16 @@ ATOM_SCHED_AVX2_CLONES void Scheduler::apply_plain_spec_rows(const Batch& b,
     stop_tokens_out[row] = stop_token;
     prefix_hits_out[row] = r.prefix_hit_tokens;
     wants_out[row] = r.wants_logprobs;
-    if (reason != FinishReason::kNone) finish_entry(row, slot, reason, stop_token);
+    // Publishing and finishing after the pass, in row order, as if done here: neither changes
+    // what a later row of the pass reads (its own request, the batch, the outputs).
+    marks[row] = reason != FinishReason::kNone || decode_publish_end(r) > 0;
   }
+  hash_ahead(slots, marks, row);
+  for_each_marked(marks, row, [&](int32_t i) {
+    publish_decode_blocks(requests_[slots[i]]);
+    if (reasons_out[i] != FinishReason::kNone)
+      finish_entry(i, slots[i], reasons_out[i], stop_tokens_out[i]);
+  });
   stats_.num_spec_steps += row;
   stats_.num_draft_tokens += drafted;
   stats_.num_accepted_draft_tokens += accepted_drafts;
