@@ -232,13 +232,15 @@ void Scheduler::finish_entry(int32_t entry, int32_t slot, FinishReason reason,
   finish(slot, reason, stop_token);
 }
 
-[[gnu::always_inline]] inline int32_t Scheduler::decode_publish_end(const Request& r) const {
+[[gnu::always_inline]] inline bool Scheduler::has_blocks_to_publish(const Request& r) const {
   // Every position but the last token's now holds verified KV (the row's input was the last
   // token and the drafts now accepted). (steady_entry()'s watch_count is the first token count
-  // this is non-zero at.)
-  if (!cache_decode_blocks_ || r.num_tokens() <= (r.blocks_published + 1) * config_.block_size)
-    return 0;
-  return (r.num_tokens() - 1) / config_.block_size;
+  // this holds at.)
+  return cache_decode_blocks_ && r.num_tokens() > (r.blocks_published + 1) * config_.block_size;
+}
+
+[[gnu::always_inline]] inline int32_t Scheduler::decode_publish_end(const Request& r) const {
+  return has_blocks_to_publish(r) ? (r.num_tokens() - 1) / config_.block_size : 0;
 }
 
 [[gnu::always_inline]] inline bool Scheduler::publish_decode_blocks(Request& r) {
@@ -470,7 +472,7 @@ ATOM_SCHED_AVX2_CLONES void Scheduler::apply_plain_spec_rows(const Batch& b,
     wants_out[row] = r.wants_logprobs;
     // Publishing and finishing after the pass, in row order, as if done here: neither changes
     // what a later row of the pass reads (its own request, the batch, the outputs).
-    marks[row] = reason != FinishReason::kNone || decode_publish_end(r) > 0;
+    marks[row] = reason != FinishReason::kNone || has_blocks_to_publish(r);
   }
   hash_ahead(slots, marks, row);
   for_each_marked(marks, row, [&](int32_t i) {

@@ -448,8 +448,9 @@ class Scheduler {
   void apply_plain_spec_rows(const Batch& b, const ModelOutputs& out, OutputCursor& cursor);
   /// Records step_output_ entry `entry`'s finish (its whole sequence) and finishes the request.
   void finish_entry(int32_t entry, int32_t slot, FinishReason reason, int32_t stop_token);
-  /// Decode-block caching: the end of the blocks a decode row's verified KV completed, not yet
-  /// published (publish_blocks(r, end)); 0 when there are none.
+  /// Decode-block caching: whether a decode row's verified KV completed blocks not yet
+  /// published, and the end of those blocks (publish_blocks(r, end); 0 when there are none).
+  [[nodiscard]] bool has_blocks_to_publish(const Request& r) const;
   [[nodiscard]] int32_t decode_publish_end(const Request& r) const;
   /// Publishes them; true when it published any.
   bool publish_decode_blocks(Request& r);
