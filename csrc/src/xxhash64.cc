@@ -7,6 +7,12 @@
 #include <bit>
 #include <cstring>
 
+#if defined(__GNUC__) && !defined(__clang__)
+// The vector instances of the helpers below return 64-byte vectors, which GCC notes would pass
+// differently without AVX-512; they are always inlined into the AVX-512 function, never called.
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
 namespace atom_sched {
 namespace {
 
@@ -32,18 +38,30 @@ inline uint32_t read_le32(const unsigned char* p) noexcept {
   return v;
 }
 
-inline uint64_t mix_lane(uint64_t acc, uint64_t lane) noexcept {
+// The lane arithmetic below is written once for a 64-bit value and for a vector of them (GCC's
+// vector extensions: the same operators, lane by lane), so that block_hashes() can hash eight
+// blocks side by side with the very same steps. Always inlined: a vector instance takes the
+// instruction set of the function it is inlined into.
+template <class T>
+[[gnu::always_inline]] inline T rotl64(T x, int r) noexcept {
+  return (x << r) | (x >> (64 - r));
+}
+
+template <class T>
+[[gnu::always_inline]] inline T mix_lane(T acc, T lane) noexcept {
   acc += lane * kPrime2;
-  acc = std::rotl(acc, 31);
+  acc = rotl64(acc, 31);
   return acc * kPrime1;
 }
 
-inline uint64_t merge_acc(uint64_t h, uint64_t acc) noexcept {
-  h ^= mix_lane(0, acc);
+template <class T>
+[[gnu::always_inline]] inline T merge_acc(T h, T acc) noexcept {
+  h ^= mix_lane(T{}, acc);
   return h * kPrime1 + kPrime4;
 }
 
-inline void init_accs(uint64_t acc[4], uint64_t seed) noexcept {
+template <class T>
+[[gnu::always_inline]] inline void init_accs(T acc[4], T seed) noexcept {
   acc[0] = seed + kPrime1 + kPrime2;
   acc[1] = seed + kPrime2;
   acc[2] = seed;
@@ -55,19 +73,21 @@ inline void consume_stripe(uint64_t acc[4], const unsigned char* p) noexcept {
 }
 
 // Folds the accumulators into one value; only used when at least one full stripe was consumed.
-inline uint64_t converge(const uint64_t acc[4]) noexcept {
-  uint64_t h = std::rotl(acc[0], 1) + std::rotl(acc[1], 7) + std::rotl(acc[2], 12) +
-               std::rotl(acc[3], 18);
+template <class T>
+[[gnu::always_inline]] inline T converge(const T acc[4]) noexcept {
+  T h = rotl64(acc[0], 1) + rotl64(acc[1], 7) + rotl64(acc[2], 12) + rotl64(acc[3], 18);
   for (int i = 0; i < 4; ++i) h = merge_acc(h, acc[i]);
   return h;
 }
 
-inline uint64_t tail_lane(uint64_t h, uint64_t lane) noexcept {
-  h ^= mix_lane(0, lane);
-  return std::rotl(h, 27) * kPrime1 + kPrime4;
+template <class T>
+[[gnu::always_inline]] inline T tail_lane(T h, T lane) noexcept {
+  h ^= mix_lane(T{}, lane);
+  return rotl64(h, 27) * kPrime1 + kPrime4;
 }
 
-inline uint64_t avalanche(uint64_t h) noexcept {
+template <class T>
+[[gnu::always_inline]] inline T avalanche(T h) noexcept {
   h ^= h >> 33;
   h *= kPrime2;
   h ^= h >> 29;
@@ -93,20 +113,21 @@ uint64_t finish(uint64_t h, const unsigned char* p, size_t len) noexcept {
 }
 
 // XXH64 (seed 0) of an input made of `n` 8-byte little-endian lanes, lane i having value lane(i).
-// Same digest as xxhash64() over those bytes, without materialising them.
-template <class LaneAt>
-uint64_t hash_lanes(size_t n, LaneAt lane) noexcept {
+// Same digest as xxhash64() over those bytes, without materialising them. T is uint64_t, or a
+// vector of them for as many inputs at once (lane(i) then holds each input's lane i).
+template <class T, class LaneAt>
+[[gnu::always_inline]] inline T hash_lanes(size_t n, LaneAt lane) noexcept {
   size_t i = 0;
-  uint64_t h;
+  T h;
   if (n >= 4) {
-    uint64_t acc[4];
-    init_accs(acc, 0);
+    T acc[4];
+    init_accs(acc, T{});
     for (; i + 4 <= n; i += 4) {
       for (size_t k = 0; k < 4; ++k) acc[k] = mix_lane(acc[k], lane(i + k));
     }
     h = converge(acc);
   } else {
-    h = kPrime5;
+    h = T{} + kPrime5;
   }
   h += static_cast<uint64_t>(n) * 8;
   for (; i < n; ++i) h = tail_lane(h, lane(i));
@@ -196,8 +217,8 @@ uint64_t block_hash_n(const int32_t* t, std::optional<uint64_t> parent) noexcept
   const size_t first = parent.has_value() ? 1 : 0;
   lanes[0] = parent.value_or(0);
   for (size_t i = 0; i < N; ++i) lanes[i + 1] = token_lane(t[i]);
-  if (first == 1) return hash_lanes(N + 1, [&lanes](size_t i) { return lanes[i]; });
-  return hash_lanes(N, [&lanes](size_t i) { return lanes[i + 1]; });
+  if (first == 1) return hash_lanes<uint64_t>(N + 1, [&lanes](size_t i) { return lanes[i]; });
+  return hash_lanes<uint64_t>(N, [&lanes](size_t i) { return lanes[i + 1]; });
 }
 
 }  // namespace
@@ -211,10 +232,70 @@ uint64_t block_hash(std::span<const int32_t> tokens, std::optional<uint64_t> par
   }
   if (parent.has_value()) {
     const uint64_t first = *parent;
-    return hash_lanes(tokens.size() + 1,
+    return hash_lanes<uint64_t>(tokens.size() + 1,
                       [t, first](size_t i) { return i == 0 ? first : token_lane(t[i - 1]); });
   }
-  return hash_lanes(tokens.size(), [t](size_t i) { return token_lane(t[i]); });
+  return hash_lanes<uint64_t>(tokens.size(), [t](size_t i) { return token_lane(t[i]); });
+}
+
+namespace {
+
+// GCC only, as the multiversioned passes (scheduler_internal.h): Clang rejects passing the
+// vectors between the helpers, inlined or not, outside an AVX-512 function.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(ATOM_SCHED_NO_MULTIVERSION)
+#define ATOM_SCHED_HASH8_AVX512 1
+using U64x8 = uint64_t __attribute__((vector_size(64)));
+
+// Eight chained block hashes side by side, lane r of every vector belonging to block r: the
+// steps of hash_lanes() on 64-bit vector lanes. XXH64 multiplies 64-bit values, which only
+// AVX-512DQ does in vector lanes (AVX2 would take three 32-bit multiplies a lane): hence this
+// one function compiled for it, chosen at run time.
+[[gnu::target("avx512f,avx512dq")]] void block_hashes8(const int32_t* const* tokens,
+                                                       const uint64_t* parents, size_t block_size,
+                                                       uint64_t* out) noexcept {
+  U64x8 parent;
+  std::memcpy(&parent, parents, sizeof parent);
+  const auto lane = [&](size_t i) __attribute__((always_inline)) {
+    if (i == 0) return parent;
+    U64x8 v;
+    for (int r = 0; r < 8; ++r) v[r] = token_lane(tokens[r][i - 1]);
+    return v;
+  };
+  const U64x8 h = hash_lanes<U64x8>(block_size + 1, lane);
+  std::memcpy(out, &h, sizeof h);
+}
+
+bool have_avx512dq() noexcept {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  return yes;
+}
+#endif
+
+}  // namespace
+
+void block_hashes(const int32_t* const* tokens, const uint64_t* parents, size_t count,
+                  size_t block_size, uint64_t* out) noexcept {
+  size_t i = 0;
+#ifdef ATOM_SCHED_HASH8_AVX512
+  if (have_avx512dq()) {
+    for (; i + 8 <= count; i += 8) block_hashes8(tokens + i, parents + i, block_size, out + i);
+    if (count - i >= 3) {  // the last few, padded with copies of the first of them
+      const int32_t* t[8];
+      uint64_t p[8], h[8];
+      for (size_t r = 0; r < 8; ++r) {
+        const size_t from = i + (i + r < count ? r : 0);
+        t[r] = tokens[from];
+        p[r] = parents[from];
+      }
+      block_hashes8(t, p, block_size, h);
+      std::memcpy(out + i, h, (count - i) * sizeof(uint64_t));
+      return;
+    }
+  }
+#endif
+  for (; i < count; ++i) out[i] = block_hash(std::span<const int32_t>(tokens[i], block_size),
+                                             parents[i]);
 }
 
 }  // namespace atom_sched

@@ -194,5 +194,29 @@ TEST(Xxhash64Test, BlockHashChainOverBlocks) {
   }
 }
 
+TEST(Xxhash64Test, BlockHashesMatchOneByOne) {
+  // The batch (eight blocks a vector where the CPU has AVX-512DQ, the last group padded) against
+  // block_hash() block by block: every count around the group size, block sizes below, at and
+  // past one stripe, negative tokens (sign-extended lanes) and parents with the top bit set.
+  std::mt19937_64 rng(7);
+  std::uniform_int_distribution<int32_t> token(-5, 1 << 30);
+  for (size_t bs : {1, 3, 4, 16, 32}) {
+    for (size_t count = 0; count <= 19; ++count) {
+      std::vector<std::vector<int32_t>> blocks(count, std::vector<int32_t>(bs));
+      std::vector<const int32_t*> tokens(count);
+      std::vector<uint64_t> parents(count), out(count + 1, 0xABCD);
+      for (size_t i = 0; i < count; ++i) {
+        for (auto& t : blocks[i]) t = token(rng);
+        tokens[i] = blocks[i].data();
+        parents[i] = rng();
+      }
+      block_hashes(tokens.data(), parents.data(), count, bs, out.data());
+      for (size_t i = 0; i < count; ++i)
+        EXPECT_EQ(out[i], block_hash(blocks[i], parents[i])) << "bs " << bs << " block " << i;
+      EXPECT_EQ(out[count], 0xABCDu) << "wrote past the last block (bs " << bs << ")";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace atom_sched

@@ -44,6 +44,13 @@ class Xxhash64State {
 [[nodiscard]] uint64_t block_hash(std::span<const int32_t> tokens,
                                   std::optional<uint64_t> parent) noexcept;
 
+// block_hash() of `count` blocks of `block_size` tokens, each with a parent, at once:
+// out[i] = block_hash({tokens[i], block_size}, parents[i]). Built by GCC for x86-64 and run where
+// the CPU has AVX-512DQ, eight at a time in vector lanes (about a quarter of the instructions of
+// one by one; fewer than three left over go one by one); elsewhere one by one.
+void block_hashes(const int32_t* const* tokens, const uint64_t* parents, size_t count,
+                  size_t block_size, uint64_t* out) noexcept;
+
 // The parent of block 0 for a request with extra keys (vLLM's: a LoRA adapter, a cache salt):
 // XXH64 over a domain tag and both strings, each preceded by its length, so every block of the
 // chain differs from the same tokens' under other keys. None when both are empty (ATOM's chain).
