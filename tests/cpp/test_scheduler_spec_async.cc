@@ -151,6 +151,51 @@ TEST(SchedulerTest, SpeculativeStopsTruncateTheRow) {
   EXPECT_EQ(h.s.block_pool().num_free_blocks(), 32);
 }
 
+// K 3, EOS 2 and no stop lists (the rows update() appends without testing each token when no
+// stop rule can apply). After the prefill (one token each), one decode row each:
+//   A accepts [7 2 9 4]            -> [7 2] "eos"
+//   B (ignore_eos) accepts [2 2 5] -> [2 2 5], running
+//   C (min_tokens 3) accepts [2 2 8 6] -> [2 2] "eos": the first EOS is its 2nd token, the
+//     second its 3rd
+//   D accepts [5 6] of [5 6 2 9]   -> [5 6], running: an EOS past the accepted tokens is not one
+//   E (max_tokens 3) accepts [3 4 5 6] -> [3 4] "max_tokens"
+TEST(SchedulerTest, SpeculativeEosWithoutStopListsTruncatesTheRow) {
+  SchedulerConfig c = SpecCfg(32, 3);
+  c.eos_token_id = 2;
+  H h(c);
+  SamplingParams pb = P();
+  pb.ignore_eos = true;
+  SamplingParams pc = P();
+  pc.min_tokens = 3;
+  for (int64_t id : {1, 2, 3, 4, 5})
+    h.add(id, {50, 51, 52}, id == 2 ? pb : id == 3 ? pc : id == 5 ? P(3) : P());
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  ASSERT_EQ(s1->num_rows, 5);
+  V sampled;
+  for (int i = 0; i < 5; ++i) sampled.insert(sampled.end(), {10, -1, -1, -1});
+  h.upd(*s1, sampled, {1, 1, 1, 1, 1}, V(15, 60));
+  auto s2 = h.sched();
+  ASSERT_TRUE(s2);
+  ASSERT_EQ(s2->req_ids, (V64{1, 2, 3, 4, 5}));
+  auto o = h.upd(*s2, {7, 2, 9, 4, 2, 2, 5, 6, 2, 2, 8, 6, 5, 6, 2, 9, 3, 4, 5, 6},
+                 {4, 3, 4, 2, 4}, V(15, 60));
+  EXPECT_EQ(o.tokens(1), (V{7, 2}));
+  EXPECT_EQ(o.why(1), "eos");
+  EXPECT_EQ(o.tokens(2), (V{2, 2, 5}));
+  EXPECT_EQ(o.why(2), "");
+  EXPECT_EQ(o.tokens(3), (V{2, 2}));
+  EXPECT_EQ(o.why(3), "eos");
+  EXPECT_EQ(o.tokens(4), (V{5, 6}));
+  EXPECT_EQ(o.why(4), "");
+  EXPECT_EQ(o.tokens(5), (V{3, 4}));
+  EXPECT_EQ(o.why(5), "max_tokens");
+  EXPECT_EQ(h.s.running_ids(), (V64{2, 4}));
+  EXPECT_EQ(h.s.request(2).tokens, (V{50, 51, 52, 10, 2, 2, 5}));
+  EXPECT_EQ(h.s.request(4).tokens, (V{50, 51, 52, 10, 5, 6}));
+  EXPECT_EQ(h.s.request(4).last_token, 6);
+}
+
 // Log-probabilities stay aligned with the streamed tokens under MTP (fix 8.13): one per kept
 // token, the dropped tokens' values dropped with them. K 2, EOS 2.
 //   prefill: A 10 (-0.1), B 20 (-0.2)

@@ -446,6 +446,10 @@ class Scheduler {
   /// the rows it applied. Compiled per K (1..8), so its draft loops unroll.
   template <int K>
   void apply_plain_spec_rows(const Batch& b, const ModelOutputs& out, OutputCursor& cursor);
+  /// Whether appending a speculative row's accepted tokens t[0, a) (K+1 readable) can meet no
+  /// stop rule, so they are appended without testing each.
+  template <int K>
+  [[nodiscard]] bool no_stop_within(const Request& r, const int32_t* t, int32_t a) const;
   /// Records step_output_ entry `entry`'s finish (its whole sequence) and finishes the request.
   void finish_entry(int32_t entry, int32_t slot, FinishReason reason, int32_t stop_token);
   /// Decode-block caching: whether a decode row's verified KV completed blocks not yet
