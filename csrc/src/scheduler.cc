@@ -1072,18 +1072,20 @@ template <bool kPow2>
   const int32_t start = r.num_computed_tokens;
   const int32_t size = r.table_size;
   // Its prompt all scheduled, synchronous (nothing in flight or to stream: the input is its last
-  // token, then its drafts), every block shipped to its device slot, and its positions all in
-  // one block it holds: no KV to reserve. (Every request in the running set is running.)
+  // token, then its drafts), every block shipped to its device slot, and its positions in the
+  // block of its first position, which it holds, and at most the next, which it may have to
+  // take. (Every request in the running set is running.)
   const bool synchronous = start >= r.prefill_target &&
                            (r.num_inflight | r.num_unstreamed) == 0 &&
                            start == r.token_count - 1 && r.blocks_shipped == size;
   if (!synchronous) return 0;
   // decode_row_tokens(), which with nothing in flight caps the tokens at the position limit and
-  // at the drafts proposed. Without drafts the block is the last; with drafts it may be the one
-  // before, when rejected drafts left the last block reserved but empty.
+  // at the drafts proposed. Without drafts the first block is the last; with drafts it may be
+  // the one before, when rejected drafts left the last block reserved but empty.
   const int32_t n = decode_row_tokens<true>(r);
   const int32_t block = block_in<kPow2>(start);
-  return n > 0 && block == block_in<kPow2>(start + n - 1) && block < size ? n : 0;
+  const int32_t end_block = block_in<kPow2>(start + n - 1);
+  return n > 0 && block < size && end_block <= block + 1 && end_block <= size ? n : 0;
 }
 
 ATOM_SCHED_AVX2_CLONES size_t Scheduler::steady_run_end(size_t at, size_t limit) const {
@@ -1259,8 +1261,9 @@ ATOM_SCHED_AVX2_CLONES size_t Scheduler::add_steady_decode_rows(Batch& b, size_t
   int32_t* __restrict block_starts = b.new_block_starts.data();
   int32_t* __restrict block_offsets = b.new_block_offsets.data();
   int32_t* __restrict draft_rows = b.spec_draft_tokens.data();
+  int32_t* __restrict shipped_ids = b.new_block_ids.data();
   const int32_t first_row = b.num_rows;
-  const int32_t shipped_before = block_offsets[first_row];  // no row of the run ships a block
+  int32_t shipped = block_offsets[first_row];  // the run's rows ship only the blocks taken here
   int32_t row = first_row;
   int32_t t = b.num_tokens;
   for (; entry != entries_end && row < max_rows; ++entry) {
@@ -1271,6 +1274,19 @@ ATOM_SCHED_AVX2_CLONES size_t Scheduler::add_steady_decode_rows(Batch& b, size_t
     if (n == 0) break;
     if (t + n > max_tokens) break;
     const int32_t start = r.num_computed_tokens;
+    const int32_t block = block_in<kPow2>(start);
+    const int32_t end_block = block_in<kPow2>(start + n - 1);
+    // Its last positions in the block after its last: that block taken and shipped, in row order
+    // as the general path takes them. With none free the general path takes the row (it
+    // preempts).
+    block_starts[row] = r.table_size;
+    if (end_block == r.table_size) {
+      if (!pool_.grow(r.block_table, r.table_size + 1)) break;
+      r.table_changed();
+      shipped_ids[shipped++] = r.last_block;
+      r.blocks_shipped = r.table_size;
+    }
+    block_offsets[row + 1] = shipped;
     const int32_t size = r.table_size;
     // A row that held another admission in this buffer (the rows shifted: a request before it
     // finished or was preempted) takes this one's constant columns and block table first.
@@ -1283,16 +1299,13 @@ ATOM_SCHED_AVX2_CLONES size_t Scheduler::add_steady_decode_rows(Batch& b, size_t
     // What begin_row() and add_decode_row() write for such a row; its other columns hold.
     const int32_t offset = kPow2 ? start & (bs - 1) : start % bs;
     // The last block, or the one before (steady_spec_row_tokens()).
-    const int32_t block = block_in<kPow2>(start);
     const int64_t block_id = block == size - 1 ? r.last_block : r.block_table[block];
     const int64_t base = kPow2 ? block_id << shift : block_id * bs;
     scheduled[row] = n;
     cached[row] = start;
-    block_starts[row] = size;
-    block_offsets[row + 1] = shipped_before;
     tokens[t] = r.last_token;
-    // Positions inside one block; the input is the last token, then the drafts it verifies (all
-    // K but near the position limit), which the draft row repeats, -1 padded. K is fixed at
+    // Positions in one block or two; the input is the last token, then the drafts it verifies
+    // (all K but near the position limit), which the draft row repeats, -1 padded. K is fixed at
     // compile time and all K+1 token slots are written, whether the row schedules them or not:
     // straight-line code, no branch a token. (Slots past the row belong to the next row, which
     // overwrites them, or lie past the batch's tokens, in the slack.)
@@ -1300,6 +1313,11 @@ ATOM_SCHED_AVX2_CLONES size_t Scheduler::add_steady_decode_rows(Batch& b, size_t
     int32_t* __restrict drafts = draft_rows + static_cast<size_t>(row) * K;
     store_ramp(positions + t, start, K + 1);
     store_ramp(slots + t, base + offset, K + 1);
+    if (end_block != block) {  // the positions from the next block's first on, in that block
+      const int32_t first_run = bs - offset;
+      const int64_t next_id = block + 1 == size - 1 ? r.last_block : r.block_table[block + 1];
+      store_ramp(slots + t + first_run, kPow2 ? next_id << shift : next_id * bs, n - first_run);
+    }
     for (int32_t j = 0; j < K; ++j) {
       tokens[t + 1 + j] = proposed[j];
       drafts[j] = j < n - 1 ? proposed[j] : -1;

@@ -188,8 +188,7 @@ FinishReason Scheduler::length_stop(const Request& r) const {
 }
 
 // The stop rule. stop_after_append() inlines its case without stop lists (EOS past min_tokens,
-// then the length limit), and no_stop_within() tests ahead that it cannot apply: a change here
-// changes those too.
+// then the length limit): a change here changes that one too.
 FinishReason Scheduler::stop_reason(const Request& r, int32_t& stop_token) const {
   const int32_t tok = r.tokens.back();
   const int32_t generated = r.num_generated();
@@ -232,20 +231,6 @@ void Scheduler::finish_entry(int32_t entry, int32_t slot, FinishReason reason,
   so.finished_tokens.insert(so.finished_tokens.end(), r.tokens.begin(), r.tokens.end());
   so.finished_offsets.push_back(static_cast<int32_t>(so.finished_tokens.size()));
   finish(slot, reason, stop_token);
-}
-
-template <int K>
-[[gnu::always_inline]] inline bool Scheduler::no_stop_within(const Request& r, const int32_t* t,
-                                                            int32_t a) const {
-  // True when appending t[0 .. a) cannot meet a stop rule (stop_after_append() for each would
-  // say none): no stop lists, the length limit beyond them, and no EOS among them that counts.
-  // (An EOS before min_tokens, which does not stop, takes the token-by-token path.) All K+1
-  // tokens are compared, a mask keeping the first a: straight-line code.
-  if (r.has_stop_lists || r.token_count + a >= r.stop_length) return false;
-  if (r.ignore_eos) return true;
-  uint32_t eos = 0;
-  for (int32_t j = 0; j <= K; ++j) eos |= static_cast<uint32_t>(t[j] == config_.eos_token_id) << j;
-  return (eos & ((1u << a) - 1)) == 0;
 }
 
 [[gnu::always_inline]] inline bool Scheduler::has_blocks_to_publish(const Request& r) const {
@@ -495,21 +480,14 @@ ATOM_SCHED_AVX2_CLONES void Scheduler::apply_plain_spec_rows(const Batch& b,
     accepted_drafts += a - 1;
     ++acceptance_counts[a - 1];
     keep_drafts(r, drafts + static_cast<size_t>(row) * k, k);
+    // The accepted tokens one by one; the earliest stop wins and later tokens are dropped.
     const int32_t* t = sampled + static_cast<size_t>(row) * (k + 1);
     FinishReason reason = FinishReason::kNone;
-    int32_t stop_token = -1, kept = a;
-    // All K+1 output slots copied (update() sized the entries for it; the next row overwrites
-    // what this one does not keep).
-    for (int32_t j = 0; j <= k; ++j) tokens_out[num_tokens + j] = t[j];
-    if (no_stop_within<k>(r, t, a)) {
-      r.append_tokens(t, a);
-    } else {
-      // The accepted tokens one by one; the earliest stop wins and later tokens are dropped.
-      kept = 0;
-      while (kept < a && reason == FinishReason::kNone) {
-        r.append_token(t[kept++]);
-        reason = stop_after_append(r, stop_token);
-      }
+    int32_t stop_token = -1, kept = 0;
+    while (kept < a && reason == FinishReason::kNone) {
+      r.append_token(t[kept]);
+      tokens_out[num_tokens + kept++] = r.last_token;
+      reason = stop_after_append(r, stop_token);
     }
     num_tokens += kept;
     ids_out[row] = r.id;

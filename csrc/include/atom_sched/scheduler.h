@@ -384,8 +384,8 @@ class Scheduler {
   template <bool kPow2>
   size_t add_steady_spec_rows(Batch& b, size_t at);
   /// The tokens of request `r`'s decode row with drafts if it is steady (the rule
-  /// add_steady_decode_rows() runs on: synchronous, its positions inside one block it holds,
-  /// every block shipped), else 0. Without drafts the rule is steady_now().
+  /// add_steady_decode_rows() runs on: synchronous, every block shipped, its positions in the
+  /// block of its first, which it holds, and at most the next, which it may take), else 0. Without drafts the rule is steady_now().
   template <bool kPow2>
   [[nodiscard]] int32_t steady_spec_row_tokens(const Request& r) const;
   /// The columns a row copies from its request when it changes owner (the request's constants).
@@ -446,10 +446,6 @@ class Scheduler {
   /// the rows it applied. Compiled per K (1..8), so its draft loops unroll.
   template <int K>
   void apply_plain_spec_rows(const Batch& b, const ModelOutputs& out, OutputCursor& cursor);
-  /// Whether appending a speculative row's accepted tokens t[0, a) (K+1 readable) can meet no
-  /// stop rule, so they are appended without testing each.
-  template <int K>
-  [[nodiscard]] bool no_stop_within(const Request& r, const int32_t* t, int32_t a) const;
   /// Records step_output_ entry `entry`'s finish (its whole sequence) and finishes the request.
   void finish_entry(int32_t entry, int32_t slot, FinishReason reason, int32_t stop_token);
   /// Decode-block caching: whether a decode row's verified KV completed blocks not yet
