@@ -385,7 +385,8 @@ class Scheduler {
   size_t add_steady_spec_rows(Batch& b, size_t at);
   /// The tokens of request `r`'s decode row with drafts if it is steady (the rule
   /// add_steady_decode_rows() runs on: synchronous, every block shipped, its positions in the
-  /// block of its first, which it holds, and at most the next, which it may take), else 0. Without drafts the rule is steady_now().
+  /// block of its first, which it holds, and at most the next, which it may take), else 0.
+  /// Without drafts the rule is steady_now().
   template <bool kPow2>
   [[nodiscard]] int32_t steady_spec_row_tokens(const Request& r) const;
   /// The columns a row copies from its request when it changes owner (the request's constants).
