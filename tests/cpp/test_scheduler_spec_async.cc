@@ -151,8 +151,8 @@ TEST(SchedulerTest, SpeculativeStopsTruncateTheRow) {
   EXPECT_EQ(h.s.block_pool().num_free_blocks(), 32);
 }
 
-// K 3, EOS 2 and no stop lists (the rows update() appends without testing each token when no
-// stop rule can apply). After the prefill (one token each), one decode row each:
+// K 3, EOS 2 and no stop lists (the stop rule's case update() inlines for each accepted token).
+// After the prefill (one token each), one decode row each:
 //   A accepts [7 2 9 4]            -> [7 2] "eos"
 //   B (ignore_eos) accepts [2 2 5] -> [2 2 5], running
 //   C (min_tokens 3) accepts [2 2 8 6] -> [2 2] "eos": the first EOS is its 2nd token, the

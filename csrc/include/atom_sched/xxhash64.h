@@ -46,8 +46,8 @@ class Xxhash64State {
 
 // block_hash() of `count` blocks of `block_size` tokens, each with a parent, at once:
 // out[i] = block_hash({tokens[i], block_size}, parents[i]). Built by GCC for x86-64 and run where
-// the CPU has AVX-512DQ, eight at a time in vector lanes (about a quarter of the instructions of
-// one by one; fewer than three left over go one by one); elsewhere one by one.
+// the CPU has AVX-512DQ, eight at a time in vector lanes (fewer than three left over go one by
+// one); elsewhere one by one.
 void block_hashes(const int32_t* const* tokens, const uint64_t* parents, size_t count,
                   size_t block_size, uint64_t* out) noexcept;
 
