@@ -196,6 +196,35 @@ TEST(SchedulerTest, SpeculativeEosWithoutStopListsTruncatesTheRow) {
   EXPECT_EQ(h.s.request(4).last_token, 6);
 }
 
+// bs 4, K 2, 4 usable blocks. A = [10,11,12], B = [20,21,22]; every draft accepted.
+//   step 1: prefill A {1}, B {2}          -> A 100, B 200 (drafts proposed)
+//   step 2: A pos 3,4,5 and B pos 3,4,5 cross into their second blocks (the last two free)
+//   step 3: A pos 6,7,8 crosses into a third block with none free: B, the tail, is preempted
+//           and A takes the block B freed; the batch holds A alone.
+TEST(SchedulerTest, SpeculativeRowCrossingIntoABlockPreemptsWhenThePoolIsEmpty) {
+  H h(SpecCfg(4));
+  h.add(1, {10, 11, 12});
+  h.add(2, {20, 21, 22});
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  h.upd(*s1, {100, -1, -1, 200, -1, -1}, {}, {30, 31, 40, 41});
+  auto s2 = h.sched();
+  ASSERT_TRUE(s2);
+  EXPECT_EQ(s2->positions, (V64{3, 4, 5, 3, 4, 5}));
+  EXPECT_EQ(h.s.block_pool().num_free_blocks(), 0);
+  h.upd(*s2, {30, 31, 101, 40, 41, 201}, {3, 3}, {32, 33, 42, 43});
+  auto s3 = h.sched();
+  ASSERT_TRUE(s3);
+  EXPECT_EQ(s3->req_ids, V64{1});
+  EXPECT_EQ(s3->positions, (V64{6, 7, 8}));
+  EXPECT_EQ(s3->tokens, (V{101, 32, 33}));
+  EXPECT_EQ(h.s.request(1).block_table.size(), 3u);
+  EXPECT_EQ(h.s.running_ids(), V64{1});
+  EXPECT_EQ(h.s.request(2).status, RequestStatus::kWaiting);
+  EXPECT_EQ(h.s.request(2).num_computed_tokens, 0);
+  EXPECT_EQ(h.s.stats().num_preemptions, 1);
+}
+
 // Log-probabilities stay aligned with the streamed tokens under MTP (fix 8.13): one per kept
 // token, the dropped tokens' values dropped with them. K 2, EOS 2.
 //   prefill: A 10 (-0.1), B 20 (-0.2)
