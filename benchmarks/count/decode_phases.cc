@@ -12,6 +12,7 @@
 // random and fall out of phase; the per-phase lines then say little and the mean is the figure.
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -43,8 +44,11 @@ int main(int argc, char** argv) {
   const int n = argc > 1 ? std::atoi(argv[1]) : 0;
   const int steps = argc > 2 ? std::atoi(argv[2]) : 2000;
   const int k = argc > 3 ? std::atoi(argv[3]) : 0;
-  if (n <= 0 || steps <= 0 || k < 0 || k > 8) {
-    std::fprintf(stderr, "usage: atom_sched_decode_phases N [STEPS] [K]  (N, STEPS > 0, K 0..8)\n");
+  // Bounded so that the pool (N requests of up to STEPS x (K+1) tokens) fits int32 block ids.
+  if (n <= 0 || n > 65536 || steps <= 0 || steps > 100000 || k < 0 || k > 8) {
+    std::fprintf(stderr,
+                 "usage: atom_sched_decode_phases N [STEPS] [K]  (N 1..65536, STEPS 1..100000, "
+                 "K 0..8)\n");
     return 2;
   }
   const int w = k + 1;
@@ -54,7 +58,13 @@ int main(int argc, char** argv) {
   c.max_num_batched_tokens = std::max(n * w, 8192);
   c.max_model_len = kPromptLen + (steps + 2) * w + 2 * kBlockSize;
   c.num_speculative_tokens = k;
-  c.num_blocks = n * (c.max_blocks_per_request() + 1);
+  const int64_t blocks = int64_t{n} * (c.max_blocks_per_request() + 1);
+  if (blocks > 100'000'000) {
+    std::fprintf(stderr, "N x STEPS too large: the pool would need %lld blocks\n",
+                 static_cast<long long>(blocks));
+    return 2;
+  }
+  c.num_blocks = static_cast<int32_t>(blocks);
   Scheduler s(c);
   std::mt19937 rng(1);
   std::uniform_int_distribution<int32_t> token(3, 31999);
@@ -80,7 +90,10 @@ int main(int argc, char** argv) {
   for (int i = 0; i < steps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     const Batch* b = s.schedule();
-    if (b == nullptr) return 1;
+    if (b == nullptr) {
+      std::fprintf(stderr, "step %d scheduled nothing\n", i);
+      return 1;
+    }
     const size_t rows = static_cast<size_t>(b->num_rows);
     ModelOutputs out;
     out.sampled_token_ids = std::span<const int32_t>(sampled.data(), rows * w);
@@ -93,7 +106,10 @@ int main(int argc, char** argv) {
     const double us =
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
     if (!decode) continue;
-    if (b->num_rows != n) return 1;  // every request decodes in every step
+    if (b->num_rows != n) {  // every request decodes in every step
+      std::fprintf(stderr, "step %d: %d rows, not %d\n", i, b->num_rows, n);
+      return 1;
+    }
     by_phase[static_cast<size_t>(decode_steps % kBlockSize)].push_back(us);
     total += us;
     ++decode_steps;
