@@ -43,6 +43,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int
     cache_decode_blocks: bool
     uniform_decode_rows: bool
+    host_block_tables: bool
     def __init__(
         self,
         num_blocks: int,
@@ -64,6 +65,7 @@ class SchedulerConfig:
         long_prefill_token_threshold: int = 0,
         cache_decode_blocks: bool = True,
         uniform_decode_rows: bool = False,
+        host_block_tables: bool = True,
     ) -> None: ...
     def validate(self) -> None: ...
     @property
@@ -246,7 +248,7 @@ class Batch:
     @property
     def cu_seqlens_k(self) -> npt.NDArray[np.int32]: ...
     @property
-    def block_tables(self) -> npt.NDArray[np.int32]: ...
+    def block_tables(self) -> npt.NDArray[np.int32]: ...  # RuntimeError: host_block_tables=False
     @property
     def spec_draft_tokens(self) -> npt.NDArray[np.int32]: ...
     def __len__(self) -> int: ...

@@ -20,7 +20,8 @@ class BatchViews(NamedTuple):
     scheduled_tokens: npt.NDArray[np.int32]
     positions: npt.NDArray[np.int64]
     slot_mapping: npt.NDArray[np.int64]
-    block_tables: npt.NDArray[np.int32]
+    # None when the scheduler writes no host block tables (host_block_tables=False).
+    block_tables: npt.NDArray[np.int32] | None
     spec_draft_tokens: npt.NDArray[np.int32]
     temperatures: npt.NDArray[np.float32]
     top_ks: npt.NDArray[np.int32]

@@ -220,7 +220,9 @@ def _touch(b: Any) -> int:
     staging buffers is measured separately: decode_1024_staged.)
     """
     v = b.views()
-    return (int(v.positions[-1]) + int(v.slot_mapping[-1]) + int(v.block_tables[-1, 0])
+    tables = v.block_tables  # None without host tables (a runner reads the slot plan then)
+    return (int(v.positions[-1]) + int(v.slot_mapping[-1])
+            + (int(tables[-1, 0]) if tables is not None else 0)
             + int(v.scheduled_tokens[-1]) + int(v.context_lens[-1]) + int(v.cu_seqlens_q[-1]))
 
 
@@ -255,8 +257,23 @@ def _table_width(cfg: SchedulerConfig) -> int:
         return -(-(cfg.max_model_len + 2 * (k + 1)) // cfg.block_size)
 
 
-def _verify_rows(b: Any, prompts: np.ndarray | None = None) -> None:
-    """Full consistency check of one batch's arrays (check mode)."""
+def _request_tables(s: Any, b: Any) -> np.ndarray:
+    """The block tables of a batch's rows as its requests hold them, for a batch without host
+    tables: after its update, so a row whose request no longer runs (its blocks freed) is all -1
+    (not checked); a running request's table has only grown since."""
+    tables = np.full((b.num_rows, b.block_table_width), -1, np.int32)
+    for i, rid in enumerate(b.req_ids.tolist()):
+        if rid in s and s.request_state(rid)["status"] == "running":
+            bt = s.request_state(rid)["block_table"]
+            tables[i] = 0
+            tables[i, : len(bt)] = bt
+    return tables
+
+
+def _verify_rows(b: Any, prompts: np.ndarray | None = None,
+                 tables: np.ndarray | None = None) -> None:
+    """Full consistency check of one batch's arrays (check mode). ``tables``: the rows' block
+    tables, for a batch that carries none."""
     r, t = b.num_rows, b.num_tokens
     nst = np.asarray(b.num_scheduled_tokens, np.int64)
     cached = np.asarray(b.num_cached_tokens, np.int64)
@@ -267,9 +284,10 @@ def _verify_rows(b: Any, prompts: np.ndarray | None = None) -> None:
     rows = np.repeat(np.arange(r), nst)
     pos = np.asarray(b.positions)
     _require(np.array_equal(pos, cached[rows] + (np.arange(t) - cu[rows])), "positions are off")
-    bt = np.asarray(b.block_tables)
+    bt = np.asarray(b.block_tables) if tables is None else tables
     expect_slots = bt[rows, pos // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-    _require(np.array_equal(np.asarray(b.slot_mapping), expect_slots),
+    known = bt[rows, 0] >= 0
+    _require(np.array_equal(np.asarray(b.slot_mapping)[known], expect_slots[known]),
              "slot_mapping disagrees with block_tables")
     if prompts is not None:
         ids = np.asarray(b.req_ids)
@@ -710,17 +728,21 @@ def admission(reps: int, warmup: int, *, check: bool = False, num_prompts: int =
 
 
 def preemption(reps: int, warmup: int, *, check: bool = False, n: int = 256,
-               prompt_len: int = 128, num_blocks: int = 2304, seed: int = 2) -> Result:
+               prompt_len: int = 128, num_blocks: int = 2304, seed: int = 2,
+               host_block_tables: bool = True) -> Result:
     """Preemption pressure: `n` live requests (a finished one is replaced at once) against a KV
     pool of `num_blocks` blocks, too small for all of them at their full length, so decode steps
-    preempt (recompute, LIFO) and preempted requests are re-prefilled.
+    preempt (recompute, LIFO) and preempted requests are re-prefilled. `host_block_tables`:
+    False for a runner that keeps its tables per device slot (DeviceBatchBuilder), so a row that
+    a finish shifted has no table row to rewrite.
 
     Timed per step (prefill or decode): schedule() + view reads + update(). add_request() of the
     replacements happens between steps, untimed.
     """
     rng = np.random.default_rng(seed)
     cfg = SchedulerConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=n,
-                          max_num_batched_tokens=8192, max_model_len=4096)
+                          max_num_batched_tokens=8192, max_model_len=4096,
+                          host_block_tables=host_block_tables)
     s = Scheduler(cfg)
     pool = [rng.integers(3, 32000, prompt_len, dtype=np.int32) for _ in range(64)]
     max_tokens = rng.integers(64, 257, 4096)
@@ -763,7 +785,7 @@ def preemption(reps: int, warmup: int, *, check: bool = False, n: int = 256,
                 kinds[j] = not b.is_prefill
                 rows[j] = b.num_rows
             if check:
-                _verify_rows(b)
+                _verify_rows(b, tables=None if host_block_tables else _request_tables(s, b))
                 s.check_invariants()
             finished = int(np.count_nonzero(out.finished))
             if finished:
@@ -777,7 +799,10 @@ def preemption(reps: int, warmup: int, *, check: bool = False, n: int = 256,
     med, p10, p90 = _summary(times)
     dec = kinds == 1
     mean_rows = float(rows.mean())
-    return Result(key="preempt_256", name=f"preemption pressure, {n} live requests", unit="µs/step",
+    key, name = "preempt_256", f"preemption pressure, {n} live requests"
+    if not host_block_tables:
+        key, name = key + "_no_host_tables", name + ", no host block tables"
+    return Result(key=key, name=name, unit="µs/step",
                   median=med, p10=p10, p90=p90, reps=reps, budget=BUDGETS["preempt_256"],
                   checked=check,
                   info={"preemptions_per_step": preemptions / reps,
@@ -961,6 +986,9 @@ def workloads(quick: bool = False, check: bool = False) -> list[Workload]:
                         lambda: admission(r.admission, r.admission_warmup, check=check)))
     out.append(Workload("preempt_256", "preemption 256",
                         lambda: preemption(r.preemption, r.warmup, check=check)))
+    out.append(Workload("preempt_256_no_host_tables", "preemption 256, no host tables",
+                        lambda: preemption(r.preemption, r.warmup, check=check,
+                                           host_block_tables=False)))
     out.append(Workload("mtp3_256", "MTP K=3 256",
                         lambda: decode_step(256, r.mtp, r.warmup, k=3, check=check)))
     out.append(Workload("compat_atom_1024", "ATOM compat 1024",
@@ -1052,7 +1080,7 @@ def format_notes(results: list[Result]) -> str:
                          f"scheduler's first admission (fresh memory): "
                          f"{i['first_round_median_us']:,.0f} µs; add_request x256 "
                          f"(untimed): {i['add_request_total_us']:,.0f} µs")
-        elif r.key == "preempt_256":
+        elif r.key.startswith("preempt_256"):
             pre = i["median_prefill_step_us"]
             lines.append(f"preemption: {i['preemptions_per_step']:.2f} preemptions/step, "
                          f"{100 * i['decode_step_fraction']:.0f}% decode steps, "

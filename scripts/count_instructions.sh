@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Instructions of the core's step path, counted by callgrind (machine-independent, unlike the
 # timings): per decode row at several sizes and K, for the admission workload and per step of the
-# preemption workload (scheduler_bench's preempt_256, the steps alone); and the bytes
-# a decode row moves from beyond a 1 MB cache (callgrind's cache simulator: a 32 KB L1 and a 1 MB
-# last level, this machine's L2), at 16,384 running where the records outgrow it.
+# preemption workload (scheduler_bench's preempt_256, the steps alone, with host block tables and
+# without); and the bytes a decode row moves from beyond a 1 MB cache (callgrind's cache
+# simulator: a 32 KB L1 and a 1 MB last level, this machine's L2), at 16,384 running where the
+# records outgrow it.
 # With the package installed (make install), also the Python fixed cost of a step: the
 # instructions of the whole process for 4,000 steps less those for 2,000, over 2,000.
 #   usage: bash scripts/count_instructions.sh [path/to/atom_sched_count]
@@ -41,6 +42,8 @@ tokens=$(grep -oP 'tokens \K[0-9]+' "$out/stdout")
 echo "admission, 256 x 1,024-token prompts: $ir instructions ($(awk "BEGIN{printf \"%.1f\", $ir/$tokens}") per computed token)"
 ir=$(count preemption 2000)
 echo "preemption pressure, 256 live requests: $((ir / 2000)) instructions per step ($(grep -oP 'preemptions \K[0-9]+' "$out/stdout") preemptions in 2,000 steps)"
+ir=$(count preemption-no-host-tables 2000)
+echo "the same without host block tables: $((ir / 2000)) instructions per step"
 py=${PYTHON:-$PWD/.venv/bin/python}
 # (From /: here the source tree's atom_sched, without the compiled module, would shadow it.)
 if (cd / && "$py" -c "import atom_sched._core") 2>/dev/null; then

@@ -215,7 +215,9 @@ class LLMEngine:
             enable_kv_events=cfg.enable_kv_events,
             num_speculative_tokens=cfg.num_speculative_tokens, eos_token_id=self.eos_token_id,
             policy=cfg.policy, scheduling=cfg.scheduling,
-            long_prefill_token_threshold=cfg.long_prefill_token_threshold)
+            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+            # The builder keeps the block tables per device slot from each batch's plan.
+            host_block_tables=False)
         self.scheduler = Scheduler(self.sched_config)
         self.cache = PagedKVCache(self.dims, cfg.num_blocks, cfg.block_size)
         # CPU tensors: the builder runs the C++ references of its kernels.

@@ -11,6 +11,8 @@
 //                                       under a 16,384-token budget (scheduler_bench's workload)
 //   atom_sched_count preemption STEPS   256 live requests against a pool too small for them all
 //                                       (scheduler_bench's preempt_256): STEPS steps counted
+//   atom_sched_count preemption-no-host-tables STEPS
+//                                       the same with SchedulerConfig::host_block_tables off
 //
 // Only the counted region runs with instrumentation on (valgrind --instr-atstart=no); the
 // program prints what it counted (rows or tokens) for the script to divide by.
@@ -116,7 +118,7 @@ int admission() {
   return 0;
 }
 
-int preemption(int steps) {
+int preemption(int steps, bool host_tables) {
   // scheduler_bench.py's preemption(): 256 live requests of 128-token prompts (64 distinct, so
   // re-admissions hit the prefix cache), max_tokens 64..256, a finished one replaced at once,
   // 2,304 blocks of 16 (under half of what they would need at full length).
@@ -127,6 +129,7 @@ int preemption(int steps) {
   c.max_num_batched_tokens = 8192;
   c.max_model_len = 4096;
   c.num_blocks = 2304;
+  c.host_block_tables = host_tables;
   Scheduler s(c);
   std::mt19937 rng(2);
   std::vector<std::vector<int32_t>> prompts;
@@ -172,10 +175,13 @@ int main(int argc, char** argv) {
   if (argc == 5 && (spread || std::strcmp(argv[1], "decode") == 0))
     return decode(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), spread);
   if (argc == 2 && std::strcmp(argv[1], "admission") == 0) return admission();
-  if (argc == 3 && std::strcmp(argv[1], "preemption") == 0) return preemption(std::atoi(argv[2]));
+  if (argc == 3 && std::strcmp(argv[1], "preemption") == 0)
+    return preemption(std::atoi(argv[2]), true);
+  if (argc == 3 && std::strcmp(argv[1], "preemption-no-host-tables") == 0)
+    return preemption(std::atoi(argv[2]), false);
   std::fprintf(stderr,
                "usage: %s decode N K STEPS | decode-spread N K STEPS | admission | "
-               "preemption STEPS\n",
+               "preemption STEPS | preemption-no-host-tables STEPS\n",
                argv[0]);
   return 64;
 }

@@ -36,12 +36,12 @@ void add_pickle(py::class_<T>& cls, const std::array<const char*, N>& fields) {
   });
 }
 
-constexpr std::array<const char*, 18> kSchedulerConfigFields = {
+constexpr std::array<const char*, 19> kSchedulerConfigFields = {
     "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "enable_prefix_caching", "enable_chunked_prefill", "num_speculative_tokens", "eos_token_id",
     "stop_token_ids", "scheduler_delay_factor", "enable_kv_events", "num_state_slots",
     "policy", "scheduling", "long_prefill_token_threshold", "cache_decode_blocks",
-    "uniform_decode_rows"};
+    "uniform_decode_rows", "host_block_tables"};
 constexpr std::array<const char*, 14> kSamplingParamsFields = {
     "temperature", "top_k", "top_p", "max_tokens", "ignore_eos", "n", "logprobs",
     "stop_token_ids", "stop_token_sequences", "seed", "min_tokens", "priority", "cache_salt",
@@ -80,7 +80,8 @@ void bind_config(py::module_& m) {
                        bool enable_kv_events, int32_t num_state_slots,
                        const std::string& policy, const std::string& scheduling,
                        int32_t long_prefill_token_threshold,
-                       bool cache_decode_blocks, bool uniform_decode_rows) {
+                       bool cache_decode_blocks, bool uniform_decode_rows,
+                       bool host_block_tables) {
              SchedulerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -100,6 +101,7 @@ void bind_config(py::module_& m) {
              c.long_prefill_token_threshold = long_prefill_token_threshold;
              c.cache_decode_blocks = cache_decode_blocks;
              c.uniform_decode_rows = uniform_decode_rows;
+             c.host_block_tables = host_block_tables;
              return c;
            }),
            "num_blocks"_a, py::kw_only(), "block_size"_a = 16, "max_num_seqs"_a = 256,
@@ -110,7 +112,7 @@ void bind_config(py::module_& m) {
            "enable_kv_events"_a = false, "num_state_slots"_a = 0, "policy"_a = "atom",
            "scheduling"_a = "fcfs",
            "long_prefill_token_threshold"_a = 0, "cache_decode_blocks"_a = true,
-           "uniform_decode_rows"_a = false)
+           "uniform_decode_rows"_a = false, "host_block_tables"_a = true)
       .def_readwrite("num_blocks", &SchedulerConfig::num_blocks)
       .def_readwrite("block_size", &SchedulerConfig::block_size)
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
@@ -134,6 +136,7 @@ void bind_config(py::module_& m) {
                      &SchedulerConfig::long_prefill_token_threshold)
       .def_readwrite("cache_decode_blocks", &SchedulerConfig::cache_decode_blocks)
       .def_readwrite("uniform_decode_rows", &SchedulerConfig::uniform_decode_rows)
+      .def_readwrite("host_block_tables", &SchedulerConfig::host_block_tables)
       .def("validate", &SchedulerConfig::validate, "Raises ValueError naming an invalid field.")
       .def_property_readonly("max_blocks_per_request", &SchedulerConfig::max_blocks_per_request)
       .def("__repr__", [](const SchedulerConfig& c) {

@@ -108,6 +108,13 @@ auto bool_row_array(std::vector<uint8_t> Batch::*field) {
   };
 }
 
+// A scheduler made with SchedulerConfig.host_block_tables=False writes no host block tables.
+bool host_block_tables(const Batch& b) { return !b.block_tables.empty(); }
+constexpr const char* kNoHostTables =
+    "block_tables: this scheduler writes no host block tables "
+    "(SchedulerConfig.host_block_tables=False); the device plan (slot_reset, new_block_starts, "
+    "new_block_offsets, new_block_ids) carries them, as DeviceBatchBuilder reads it";
+
 // Batch.views(): every array a model runner and sampler read, in one call. Built once per batch
 // buffer and shape, then returned again (the arrays point at the buffer, which each batch in it
 // rewrites): a steady step pays one call instead of a numpy object per array.
@@ -149,7 +156,9 @@ py::object batch_views(const BatchView& v) {
       readonly_view(base, b.cu_seqlens_q.data(), {n + 1}),
       readonly_view(base, b.cu_seqlens_k.data(), {n + 1}), tokens(b.scheduled_tokens),
       tokens(b.positions), tokens(b.slot_mapping),
-      readonly_view(base, b.block_tables.data(), {n, b.block_table_width}),
+      host_block_tables(b)
+          ? py::object(readonly_view(base, b.block_tables.data(), {n, b.block_table_width}))
+          : py::none(),
       readonly_view(base, b.spec_draft_tokens.data(), {n, k}), rows(b.temperatures),
       rows(b.top_ks), rows(b.top_ps), rows(b.seeds), flags(b.row_is_prefill),
       flags(b.emits_token)};
@@ -559,6 +568,7 @@ void bind_scheduler(py::module_& m) {
       .def_property_readonly("block_tables",
                              [](py::object self) {
                                const Batch& b = self.cast<const BatchView&>().get();
+                               if (!host_block_tables(b)) throw std::runtime_error(kNoHostTables);
                                return readonly_view(self, b.block_tables.data(),
                                                     {b.num_rows, b.block_table_width});
                              })

@@ -54,8 +54,12 @@ SamplingParams Params(int64_t id) {
 // schedule() and its update(). With fewer blocks than they need at once, some are preempted.
 template <class AbortAt>
 Streams RunToTheEnd(bool one_step_ahead, AbortAt abort_at, int32_t usable_blocks = 400,
-                    int64_t requests = 48, int64_t* preemptions = nullptr) {
-  H h(SteadyCfg(usable_blocks));
+                    int64_t requests = 48, int64_t* preemptions = nullptr,
+                    bool host_tables = true) {
+  SchedulerConfig c = SteadyCfg(usable_blocks);
+  c.host_block_tables = host_tables;
+  H h(c);
+  h.check_device_plan = true;
   for (int64_t id = 0; id < requests; ++id) {
     V prompt = Seq(static_cast<int32_t>(100 + id), 5 + static_cast<int32_t>(id % 9));
     h.add(id, prompt, Params(id));
@@ -109,6 +113,25 @@ TEST(SteadyRowsTest, StopRulesAndPublishingMatchTheRowPath) {
   // Request 9 samples EOS as its 6th token, before its min_tokens (8): it runs to max_tokens.
   EXPECT_EQ(sync.tokens.at(9).size(), 13u);
   EXPECT_EQ(sync.why.at(9), "max_tokens");
+}
+
+TEST(SteadyRowsTest, WithoutHostBlockTablesShiftedRowsStreamTheSame) {
+  // Aborts shift the rows after them (each takes another request's row), and too few blocks
+  // preempt: with no host tables to rewrite, the owner columns and the device plan still follow
+  // (the harness checks both every step), and every request streams the same.
+  const auto aborts = [](int step) -> std::vector<int64_t> {
+    if (step == 4) return {3};
+    if (step == 9) return {11, 12, 25};
+    return {};
+  };
+  for (bool one_step_ahead : {false, true}) {
+    int64_t preemptions = 0;
+    const Streams with = RunToTheEnd(one_step_ahead, aborts, 120, 48, nullptr, true);
+    const Streams without = RunToTheEnd(one_step_ahead, aborts, 120, 48, &preemptions, false);
+    EXPECT_GT(preemptions, 0);
+    EXPECT_EQ(with.tokens, without.tokens);
+    EXPECT_EQ(with.why, without.why);
+  }
 }
 
 TEST(SteadyRowsTest, AbortsBetweenScheduleAndUpdateLeaveTheRunIntact) {

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -18,6 +19,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "atom_sched/batch.h"
@@ -111,7 +113,30 @@ TEST(SchedulerTest, SynchronousAndOneStepAheadStreamTheSameTokens) {
 // Random request streams: invariants after every call, every request ends exactly once
 // ---------------------------------------------------------------------------------------------
 
-void RandomStream(uint32_t seed, bool check_plan) {
+// Everything a batch holds but its host block tables, as numbers: two runs compare equal when
+// they scheduled the same.
+void AppendBatch(const Snap& b, std::vector<int64_t>& trace) {
+  const auto put = [&](const auto& v) {
+    trace.push_back(static_cast<int64_t>(v.size()));
+    for (const auto x : v) {
+      if constexpr (std::is_same_v<std::decay_t<decltype(x)>, float>)
+        trace.push_back(std::bit_cast<int32_t>(x));
+      else
+        trace.push_back(static_cast<int64_t>(x));
+    }
+  };
+  trace.insert(trace.end(), {static_cast<int64_t>(b.id), b.is_prefill, b.num_rows, b.num_tokens,
+                             b.num_spec_tokens, b.max_seqlen_q, b.max_seqlen_k, b.width});
+  put(b.req_ids), put(b.nsched), put(b.ncached), put(b.ctx), put(b.last_block), put(b.top_ks);
+  put(b.state_slots), put(b.drafts), put(b.cu_q), put(b.cu_k), put(b.tokens);
+  put(b.prefill_rows), put(b.emits), put(b.exact), put(b.temps), put(b.top_ps);
+  put(b.positions), put(b.slots), put(b.request_slots), put(b.new_block_starts);
+  put(b.new_block_offsets), put(b.new_block_ids), put(b.slot_reset);
+}
+
+// A random stream's batches (AppendBatch()) and outputs, in order.
+std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tables = true) {
+  std::vector<int64_t> trace;
   {
     SCOPED_TRACE(testing::Message() << "seed " << seed);
     std::mt19937 rng(seed);
@@ -134,6 +159,7 @@ void RandomStream(uint32_t seed, bool check_plan) {
     c.policy = rng() % 2 == 0 ? BatchPolicy::kMixed : BatchPolicy::kAtom;
     c.scheduling = rng() % 3 == 0 ? SchedulingPolicy::kPriority : SchedulingPolicy::kFcfs;
     if (c.enable_chunked_prefill && rng() % 3 == 0) c.long_prefill_token_threshold = pick(1, 12);
+    c.host_block_tables = host_tables;
     const int32_t k = c.num_speculative_tokens;
     H h(c);
     h.check_device_plan = check_plan;
@@ -177,6 +203,8 @@ void RandomStream(uint32_t seed, bool check_plan) {
       const Outs o = h.upd(b, sampled, acc, drafts);
       for (int64_t id : o.order) {
         const ROut& r = o.by_id.at(id);
+        trace.insert(trace.end(), {id, static_cast<int64_t>(r.reason)});
+        trace.insert(trace.end(), r.tokens.begin(), r.tokens.end());
         EXPECT_TRUE(live.count(id)) << "output for request " << id << " that already ended";
         generated[id] += static_cast<int32_t>(r.tokens.size());
         EXPECT_LE(generated[id], max_tokens[id]) << id;
@@ -207,6 +235,7 @@ void RandomStream(uint32_t seed, bool check_plan) {
           live.erase(rej.req_id);
         }
         if (b) {
+          AppendBatch(*b, trace);
           q.push_back(*b);
           continue;
         }
@@ -223,6 +252,7 @@ void RandomStream(uint32_t seed, bool check_plan) {
         auto b = h.sched();
         for (const auto& rej : h.s.take_rejected()) live.erase(rej.req_id);
         if (b) {
+          AppendBatch(*b, trace);
           q.push_back(*b);
           continue;
         }
@@ -235,6 +265,7 @@ void RandomStream(uint32_t seed, bool check_plan) {
     EXPECT_FALSE(h.s.has_unfinished_requests());
     EXPECT_EQ(h.s.block_pool().num_free_blocks(), c.num_blocks - 1);
   }
+  return trace;
 }
 
 TEST(SchedulerTest, RandomStreamsKeepInvariants) {
@@ -257,6 +288,19 @@ TEST(SchedulerTest, DevicePlanRebuildsTheBlockTables) {
     }
   }
   for (uint32_t seed = 1; seed <= 6 && !HasFailure(); ++seed) RandomStream(seed, true);
+}
+
+// SchedulerConfig::host_block_tables = false: the batches carry no host block tables
+// (CheckBatch() expects none) and everything else is as with them, the device plan (checked
+// against the requests' tables) included.
+TEST(SchedulerTest, WithoutHostBlockTablesTheBatchesAreTheSameButForThem) {
+  for (uint32_t seed = 1; seed <= 12 && !HasFailure(); ++seed) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    const std::vector<int64_t> with = RandomStream(seed, true, /*host_tables=*/true);
+    const std::vector<int64_t> without = RandomStream(seed, true, /*host_tables=*/false);
+    EXPECT_GT(with.size(), 1000u);
+    EXPECT_TRUE(with == without) << "the runs differ";
+  }
 }
 
 }  // namespace

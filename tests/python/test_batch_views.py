@@ -5,6 +5,7 @@ that on every batch of every suite); here: reuse, rebuilding on a new shape, sta
 memory rules (read-only; an array kept past its scheduler stays valid; no reference cycle)."""
 
 import gc
+import pickle
 import weakref
 
 import numpy as np
@@ -103,3 +104,33 @@ def test_final_token_ids_give_a_finished_requests_whole_sequence():
     s.update(s.schedule(), np.array([22], np.int32))
     with pytest.raises(RuntimeError, match="no longer valid"):
         out.final_token_ids(done)
+
+
+def test_without_host_block_tables_a_batch_has_none_and_says_why():
+    cfg = SchedulerConfig(num_blocks=256, block_size=4, max_num_seqs=8, host_block_tables=False)
+    assert cfg.host_block_tables is False
+    assert pickle.loads(pickle.dumps(cfg)).host_block_tables is False
+    assert SchedulerConfig(num_blocks=8).host_block_tables is True
+    with_tables = SchedulerConfig(num_blocks=256, block_size=4, max_num_seqs=8)
+    runs = [Scheduler(cfg), Scheduler(with_tables)]
+    for s in runs:
+        for rid in range(6):
+            s.add_request(rid, list(range(10 + rid, 20 + rid)),
+                          SamplingParams(max_tokens=3 + rid, ignore_eos=True))
+    for _ in range(12):  # prefill, then decode steps in which requests finish (rows shift)
+        bs = [s.schedule() for s in runs]
+        if bs[0] is None:
+            break
+        without, with_ = (b.views() for b in bs)
+        with pytest.raises(RuntimeError, match="host_block_tables=False"):
+            _ = bs[0].block_tables
+        assert without.block_tables is None and with_.block_tables is not None
+        for name, a, b in zip(BatchViews._fields, without, with_, strict=True):
+            if name != "block_tables":
+                np.testing.assert_array_equal(a, b, err_msg=name)
+        outs = [[(o.request_id, o.output_tokens, o.finish_reason)
+                 for o in s.update(b, np.full(b.num_rows, 7, np.int32))]
+                for s, b in zip(runs, bs, strict=True)]
+        assert outs[0] == outs[1]
+        runs[0].check_invariants()
+    assert not runs[0].has_unfinished_requests()

@@ -76,6 +76,26 @@ def test_builder_matches_host_arrays_step_after_step(name: str, k: int) -> None:
     assert builder.host_waits == 0
 
 
+@pytest.mark.parametrize("name", ["preempt_small_pool", "mixed_preempt_small_pool"])
+@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_without_host_block_tables_the_builder_builds_the_same_inputs(name: str, k: int,
+                                                                      mode: str) -> None:
+    # The builder keeps its tables per device slot from the batch's plan: a scheduler that
+    # writes no host tables (finishes and preemptions shift rows here) builds the same inputs,
+    # its device tables checked against the requests' tables every step.
+    kw, n, shared = CONFIGS[name]
+    logs = []
+    for host_tables in (True, False):
+        cfg = SchedulerConfig(num_speculative_tokens=k, eos_token_id=1,
+                              host_block_tables=host_tables, **kw)
+        log, _ = run_builder(cfg, prompts(n, seed=7, shared=shared), SpecModel(k, seed=k),
+                             mode=mode)
+        logs.append(log)
+    assert logs[0].preemptions > 0 and logs[0].slot_reuses > 0
+    assert logs[1] == logs[0]
+
+
 @pytest.mark.parametrize("k", [1, 4])
 def test_probabilistic_verification_drives_the_scheduler(k: int) -> None:
     kw, n, shared = CONFIGS["preempt_small_pool"]

@@ -57,6 +57,12 @@ struct SchedulerConfig {
   // fit under the position limit (else it waits for its outputs). Only a row at the limit is
   // shorter, and accepting its tokens ends the request. false: rows verify only real drafts.
   bool uniform_decode_rows = false;
+  // Write each batch's host block tables (Batch::block_tables, [rows, max_blocks_per_request]).
+  // false: the batch carries none (the vector is empty), for runners that keep their tables per
+  // device slot from the batch's slot plan (slot_reset, new_block_*: DeviceBatchBuilder does).
+  // It saves a table row's copy whenever a row changes owner, which a finish does to every row
+  // after it, and the batch's 2 x rows x width table memory.
+  bool host_block_tables = true;
 
   /// Throws InvalidArgument naming the first invalid field.
   void validate() const;

@@ -137,8 +137,10 @@ def _np(t: Any) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
-def check_inputs_against_host(b: Any, x: Any, k: int, exact: bool) -> None:
-    """The builder's tensors equal the host batch arrays (where the host is exact)."""
+def check_inputs_against_host(b: Any, x: Any, k: int, exact: bool,
+                              tables: np.ndarray | None = None) -> None:
+    """The builder's tensors equal the host batch arrays (where the host is exact). ``tables``:
+    the rows' block tables, for a batch that carries none (host_block_tables=False)."""
     n, m = int(b.num_rows), int(b.num_tokens)
     assert x.num_rows == n and x.num_tokens == m
     ids, pos, slots = _np(x.input_ids), _np(x.positions), _np(x.slot_mapping)
@@ -162,7 +164,7 @@ def check_inputs_against_host(b: Any, x: Any, k: int, exact: bool) -> None:
         np.testing.assert_array_equal(seq[:n][rows_exact], b.context_lens[rows_exact])
         # Where the host has only upper bounds, the device is never above them.
         assert (seq[:n] <= b.context_lens).all()
-    np.testing.assert_array_equal(table[:n], b.block_tables)
+    np.testing.assert_array_equal(table[:n], b.block_tables if tables is None else tables)
     # The rows whose logits a runner needs: those that emit a token.
     np.testing.assert_array_equal(_np(x.sample_rows), np.flatnonzero(np.asarray(b.emits_token)))
     cu = np.asarray(b.cu_seqlens_q)
@@ -269,7 +271,13 @@ def run_builder(
             slot_of[rid] = slot
         x = builder.prepare(b)
         log.padded_steps += x.num_rows_padded > n
-        check_inputs_against_host(b, x, k, exact=(mode == "sync"))
+        tables = None
+        if not cfg.host_block_tables:  # the requests' tables, as the rows would hold them
+            tables = np.zeros((n, int(b.block_table_width)), np.int32)
+            for i in range(n):
+                bt = sched.request_state(int(b.req_ids[i]))["block_table"]
+                tables[i, : len(bt)] = bt
+        check_inputs_against_host(b, x, k, exact=(mode == "sync"), tables=tables)
         # Record every input the device built, by request and position (to compare protocols).
         ids, pos = _np(x.input_ids), _np(x.positions)
         cu = np.asarray(b.cu_seqlens_q)
