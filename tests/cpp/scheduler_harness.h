@@ -75,7 +75,7 @@ struct Snap {
   V nsched, ncached, ctx, last_block, top_ks, state_slots, tables, drafts, cu_q, cu_k, tokens;
   std::vector<uint8_t> prefill_rows, emits, exact;
   std::vector<float> temps, top_ps;
-  V64 positions, slots;
+  V64 positions, slots, seeds;
   // Device plan (docs/api.md "The device plan").
   V request_slots, new_block_starts, new_block_offsets, new_block_ids;
   std::vector<uint8_t> slot_reset;
@@ -110,6 +110,7 @@ struct Snap {
     exact = Head(b.row_exact, n, "row_exact");
     temps = Head(b.temperatures, n, "temperatures");
     top_ps = Head(b.top_ps, n, "top_ps");
+    seeds = Head(b.seeds, n, "seeds");
     positions = Head(b.positions, t, "positions");
     slots = Head(b.slot_mapping, t, "slot_mapping");
     request_slots = Head(b.request_slots, n, "request_slots");
@@ -352,6 +353,7 @@ class H {
       EXPECT_FLOAT_EQ(b.temps[i], r.temperature);
       EXPECT_EQ(b.top_ks[i], r.top_k);
       EXPECT_FLOAT_EQ(b.top_ps[i], r.top_p);
+      EXPECT_EQ(b.seeds[i], r.seed);
       EXPECT_EQ(b.state_slots[i], r.state_slot);
       // Block-table row: the request's blocks (at least those covering the context), then 0.
       const int32_t need = (b.ctx[i] + bs - 1) / bs;

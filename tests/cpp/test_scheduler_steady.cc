@@ -46,6 +46,11 @@ SamplingParams Params(int64_t id) {
   if (id % 10 == 7) p.stop_token_ids = {kStopToken};          // a stop list: every row looks
   if (id % 6 == 3) p.min_tokens = std::min(8, p.max_tokens);  // EOS before: a token
   if (id % 9 == 4) p.stop_token_sequences = {{kEos, kEos}};   // a stop list never matched
+  // Sampling columns of its own, so a row that takes another request's columns shows.
+  p.temperature = 0.25f * static_cast<float>(id % 5);
+  p.top_k = 1 + static_cast<int32_t>(id % 7);
+  p.top_p = 0.5f + 0.05f * static_cast<float>(id % 9);
+  p.seed = 1000 + id;
   return p;
 }
 

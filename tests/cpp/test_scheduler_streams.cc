@@ -130,7 +130,7 @@ void AppendBatch(const Snap& b, std::vector<int64_t>& trace) {
   put(b.req_ids), put(b.nsched), put(b.ncached), put(b.ctx), put(b.last_block), put(b.top_ks);
   put(b.state_slots), put(b.drafts), put(b.cu_q), put(b.cu_k), put(b.tokens);
   put(b.prefill_rows), put(b.emits), put(b.exact), put(b.temps), put(b.top_ps);
-  put(b.positions), put(b.slots), put(b.request_slots), put(b.new_block_starts);
+  put(b.positions), put(b.slots), put(b.seeds), put(b.request_slots), put(b.new_block_starts);
   put(b.new_block_offsets), put(b.new_block_ids), put(b.slot_reset);
 }
 
