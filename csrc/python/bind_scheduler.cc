@@ -117,17 +117,21 @@ constexpr const char* kNoHostTables =
 
 // Batch.views(): every array a model runner and sampler read, in one call. Built once per batch
 // buffer and shape, then returned again (the arrays point at the buffer, which each batch in it
-// rewrites): a steady step pays one call instead of a numpy object per array.
+// rewrites; its arrays never move): a step pays one call instead of a numpy object per array.
+// The least recently used of kViewsCached shapes makes room for a new one.
 py::object batch_views(const BatchView& v) {
   const Batch& b = v.get();
   SchedulerHandle& h = *v.owner;
   const int32_t k = b.is_prefill ? 0 : b.num_spec_tokens;
-  BatchViewsCache* c = nullptr;
-  for (BatchViewsCache& e : h.views)
-    if (e.buffer == &b || (c == nullptr && e.buffer == nullptr)) c = &e;
-  if (c->buffer == &b && c->num_rows == b.num_rows && c->num_tokens == b.num_tokens &&
-      c->num_spec_tokens == k)
-    return c->views;
+  BatchViewsCache* c = &h.views[0];
+  for (BatchViewsCache& e : h.views) {
+    if (e.buffer == &b && e.num_rows == b.num_rows && e.num_tokens == b.num_tokens &&
+        e.num_spec_tokens == k) {
+      e.last_used = ++h.views_clock;
+      return e.views;
+    }
+    if (e.last_used < c->last_used) c = &e;
+  }
   // The arrays' base owns the batch storage, which outlives the scheduler if they do.
   auto* storage = new std::shared_ptr<const void>(h.core.batch_storage());
   const py::capsule base(storage,
@@ -171,7 +175,7 @@ py::object batch_views(const BatchView& v) {
   if (!views) throw py::error_already_set();
   for (py::ssize_t i = 0; i < kFields; ++i)
     PyTuple_SET_ITEM(views.ptr(), i, fields[i].release().ptr());
-  *c = BatchViewsCache{&b, b.num_rows, b.num_tokens, k, views};
+  *c = BatchViewsCache{&b, b.num_rows, b.num_tokens, k, ++h.views_clock, views};
   return views;
 }
 

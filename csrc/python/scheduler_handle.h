@@ -15,21 +15,27 @@
 
 namespace atom_sched {
 
-/// Batch.views()' result for one batch buffer, built once and returned again while the buffer's
-/// batches keep its shape. Its arrays' base owns the batch storage only (never this handle), so
-/// the cache makes no reference cycle: numpy arrays are not garbage-collector containers.
+/// Batch.views()' result for one batch buffer and shape, built once and returned again whenever
+/// a batch in that buffer has that shape. Its arrays' base owns the batch storage only (never
+/// this handle), so the cache makes no reference cycle: numpy arrays are not garbage-collector
+/// containers.
 struct BatchViewsCache {
   const Batch* buffer = nullptr;
   int32_t num_rows = -1, num_tokens = -1, num_spec_tokens = -1;
+  uint64_t last_used = 0;  // the handle's views_clock when last returned (0: never)
   pybind11::object views;  // an atom_sched.BatchViews
 };
+/// Shapes kept, over both buffers: building the views costs several microseconds, and finishes
+/// and admissions change the row count from step to step, mostly among a few values.
+constexpr int kViewsCached = 16;
 
 struct SchedulerHandle {
   explicit SchedulerHandle(SchedulerConfig config) : core(std::move(config)) {}
   Scheduler core;
   std::mutex mu;
   pybind11::object connector;  // the Python KVConnector the core calls back into, or None
-  BatchViewsCache views[kMaxOutstandingBatches];  // guarded by the GIL
+  BatchViewsCache views[kViewsCached];  // guarded by the GIL, as views_clock
+  uint64_t views_clock = 0;
   // A KeyboardInterrupt or SystemExit a callback raised during a call whose result the engine
   // must not lose; the next call on this scheduler raises it. Guarded by the GIL.
   std::optional<pybind11::error_already_set> deferred_interrupt;
