@@ -59,7 +59,8 @@ struct Batch {
   std::vector<uint8_t> row_exact;    // 1 when every value of the row is exact
   std::vector<int32_t> state_slots;  // per-request state slot, -1 if none
   // [num_rows, block_table_width]: a row's blocks, then kNullBlock (0) to the end of the row
-  // (docs/design.md, "block-table contract").
+  // (docs/design.md, "block-table contract"). Empty with SchedulerConfig::host_block_tables off
+  // (the device plan below carries the tables then).
   std::vector<int32_t> block_tables;
   std::vector<int32_t> spec_draft_tokens;  // [num_rows, K]; -1 where unknown or a prefill row
   std::vector<int32_t> cu_seqlens_q;       // [num_rows + 1]
