@@ -95,6 +95,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   cfg.scheduling = in.next() & 1 ? SchedulingPolicy::kPriority : SchedulingPolicy::kFcfs;
   if (cfg.enable_chunked_prefill && in.below(3) == 0)
     cfg.long_prefill_token_threshold = 1 + in.below(16);
+  cfg.host_block_tables = in.below(4) != 0;
   Scheduler s(cfg);
   if (in.next() & 1) s.set_kv_connector(std::make_shared<FuzzConnector>(in));
   const int32_t k = cfg.num_speculative_tokens;
