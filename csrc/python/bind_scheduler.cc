@@ -109,7 +109,7 @@ auto bool_row_array(std::vector<uint8_t> Batch::*field) {
 }
 
 // A scheduler made with SchedulerConfig.host_block_tables=False writes no host block tables.
-bool host_block_tables(const Batch& b) { return !b.block_tables.empty(); }
+bool host_block_tables(const BatchView& v) { return v.owner->core.config().host_block_tables; }
 constexpr const char* kNoHostTables =
     "block_tables: this scheduler writes no host block tables "
     "(SchedulerConfig.host_block_tables=False); the device plan (slot_reset, new_block_starts, "
@@ -160,7 +160,7 @@ py::object batch_views(const BatchView& v) {
       readonly_view(base, b.cu_seqlens_q.data(), {n + 1}),
       readonly_view(base, b.cu_seqlens_k.data(), {n + 1}), tokens(b.scheduled_tokens),
       tokens(b.positions), tokens(b.slot_mapping),
-      host_block_tables(b)
+      host_block_tables(v)
           ? py::object(readonly_view(base, b.block_tables.data(), {n, b.block_table_width}))
           : py::none(),
       readonly_view(base, b.spec_draft_tokens.data(), {n, k}), rows(b.temperatures),
@@ -571,8 +571,9 @@ void bind_scheduler(py::module_& m) {
                              })
       .def_property_readonly("block_tables",
                              [](py::object self) {
-                               const Batch& b = self.cast<const BatchView&>().get();
-                               if (!host_block_tables(b)) throw std::runtime_error(kNoHostTables);
+                               const BatchView& v = self.cast<const BatchView&>();
+                               const Batch& b = v.get();
+                               if (!host_block_tables(v)) throw std::runtime_error(kNoHostTables);
                                return readonly_view(self, b.block_tables.data(),
                                                     {b.num_rows, b.block_table_width});
                              })

@@ -44,7 +44,6 @@ Scheduler::Scheduler(SchedulerConfig config)
                        ? std::countr_zero(static_cast<uint32_t>(config_.block_size))
                        : -1),
       cache_decode_blocks_(config_.cache_decode_blocks && config_.enable_prefix_caching),
-      host_block_tables_(config_.host_block_tables),
       pool_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching,
             config_.enable_kv_events, config_.num_state_slots) {
   const size_t rows = config_.max_num_seqs;
@@ -67,7 +66,7 @@ Scheduler::Scheduler(SchedulerConfig config)
     b.emits_token.resize(rows);
     b.row_exact.resize(rows);
     b.state_slots.resize(rows);
-    if (host_block_tables_) b.block_tables.assign(rows * table_width_, kNullBlock);
+    if (config_.host_block_tables) b.block_tables.assign(rows * table_width_, kNullBlock);
     b.spec_draft_tokens.resize(rows * k_);
     b.cu_seqlens_q.assign(rows + 1, 0);
     b.cu_seqlens_k.assign(rows + 1, 0);
@@ -927,7 +926,7 @@ ATOM_SCHED_AVX2_CLONES [[gnu::noinline]] void fill_positions(
   // prepare_block_tables); a row that holds the same admission as last time in this buffer
   // only gets the blocks appended since. Tables only grow during one admission.
   const int32_t size = r.table_size;
-  if (!host_block_tables_) {  // no table: the row counts as filled, so it is not looked at again
+  if (!config_.host_block_tables) {  // no table: the row counts as filled, not looked at again
     b.row_filled[row] = size;
     return;
   }

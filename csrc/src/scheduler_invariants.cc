@@ -28,7 +28,7 @@ void Scheduler::check_invariants() const {
     for (int32_t row = 0; row < b.num_rows; ++row) {
       ++inflight[b.request_index[row]];
       // The block-table contract: past the row's blocks, every entry is the null block.
-      if (!host_block_tables_) continue;
+      if (!config_.host_block_tables) continue;
       const int32_t* t = b.block_tables.data() + static_cast<size_t>(row) * table_width_;
       check(std::all_of(t + b.row_filled[row], t + table_width_,
                         [](int32_t id) { return id == kNullBlock; }),

@@ -132,6 +132,8 @@ def test_without_host_block_tables_a_batch_has_none_and_says_why():
     assert cfg.host_block_tables is False
     assert pickle.loads(pickle.dumps(cfg)).host_block_tables is False
     assert SchedulerConfig(num_blocks=8).host_block_tables is True
+    with pytest.raises(TypeError):
+        SchedulerConfig(num_blocks=8, host_block_tables="no")
     with_tables = SchedulerConfig(num_blocks=256, block_size=4, max_num_seqs=8)
     runs = [Scheduler(cfg), Scheduler(with_tables)]
     for s in runs:

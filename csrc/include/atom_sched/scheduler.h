@@ -477,7 +477,6 @@ class Scheduler {
   // divides positions by the block size with a shift (block_in()).
   int32_t block_shift_;
   bool cache_decode_blocks_;  // config: decode-block caching, and prefix caching is on
-  bool host_block_tables_;    // config: the batches carry host block tables
   BlockPool pool_;
 
   std::vector<Request> requests_;  // slots; reused
