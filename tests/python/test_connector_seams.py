@@ -138,10 +138,12 @@ def test_small_steps_keep_the_gil_only_while_no_connector_can_call_back():
     stop = threading.Event()
     errors: list[BaseException] = []
     calls = [0]
+    called = threading.Event()
 
     class Counts(Holder):
         def get_num_new_matched_tokens(self, request):
             calls[0] += 1
+            called.set()
             return RemoteMatch()
 
     def guarded(fn):
@@ -161,8 +163,14 @@ def test_small_steps_keep_the_gil_only_while_no_connector_can_call_back():
 
     def churn():
         for i in range(300):
+            called.clear()
             s.set_kv_connector(Counts(None) if i % 2 == 0 else None)
             s.add_request(i, [1, 2, 3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True))
+            if i % 50 == 0:
+                # Under load the stepping thread may not run while a connector is attached at
+                # all: every 50th attach waits until request i's admission has called it back
+                # (a lost callback or a deadlock then fails on the timeout, not on chance).
+                assert called.wait(30), "no admission called the attached connector back"
         stop.set()
 
     def read():
