@@ -252,6 +252,22 @@ class _BatchSequences(Mapping):
     __hash__ = None  # type: ignore[assignment]
 
 
+class _QueueSnapshot(tuple):
+    """ATOM's ``Scheduler.waiting``/``running`` deque as a reader sees it: the engine's own
+    ``Sequence`` objects in ATOM's order (len, iteration, indexing, membership), taken when the
+    attribute is read. The core owns the queues, so the snapshot refuses a deque's mutators."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("Scheduler.running and Scheduler.waiting are read-only snapshots (the "
+                        "core owns the queues): queue with add()/extend(), preempt with "
+                        "preempt(seq)")
+
+    append = appendleft = extend = extendleft = insert = pop = popleft = remove = clear = (
+        rotate) = _refuse
+
+
 @dataclass
 class _Forwarded:
     """A batch handed to the runner whose outputs have not come back: ``core`` is the core's
@@ -953,6 +969,21 @@ class Scheduler:
         return seq
 
     # ---- queries (spec 5.5) ------------------------------------------------------------------
+    @property
+    def running(self) -> _QueueSnapshot:
+        """ATOM's ``running`` deque, read-only: the running sequences in service order (admission
+        order, a preemption victim taken from the tail). Built when read: no cost per step."""
+        seqs = self._seqs
+        return _QueueSnapshot([seqs[sid] for sid in self._core.running_ids()])
+
+    @property
+    def waiting(self) -> _QueueSnapshot:
+        """ATOM's ``waiting`` deque, read-only: first in, first out, a preempted sequence at the
+        head, sequences loading remote KV (``WAITING_FOR_REMOTE_KVS``) at the tail. Built when
+        read: no cost per step."""
+        seqs = self._seqs
+        return _QueueSnapshot([seqs[sid] for sid in self._core.waiting_ids()])
+
     def get_request_counts(self) -> tuple[int, int]:
         return self._core.num_running, self._core.num_waiting
 

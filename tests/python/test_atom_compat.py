@@ -10,6 +10,7 @@ import math
 import pickle
 import queue
 import time
+from collections import deque
 from types import SimpleNamespace
 
 import msgpack
@@ -737,3 +738,90 @@ def test_hostile_runner_outputs_are_refused_and_change_nothing():
     q: queue.Queue = queue.Queue()
     sched.postprocess(seqs.values(), out([(5,)], np.array([[6, 7]], np.int32)), q)
     assert [(sid, o.output_tokens) for sid, o in q.get_nowait()] == [(1, [5])]
+
+
+def test_running_and_waiting_are_atoms_queues_read_only():
+    """ATOM's own tests read ``Scheduler.running`` (``postprocess(list(sched.running), out)``)
+    and an engine may read ``waiting``: both hold the engine's Sequence objects, running in
+    admission order, waiting first in, first out, a sequence the engine preempts at its head.
+    They are snapshots the core's queues are read into when the attribute is read; a deque's
+    mutators are refused (the core owns the queues)."""
+    sched = Scheduler(config(enable_chunked_prefill=False, max_num_batched_tokens=12))
+    seqs = [Sequence(list(range(100 * i, 100 * i + 6)), BS,
+                     AtomSamplingParams(max_tokens=20, temperature=0.0), id=i) for i in (1, 2, 3)]
+    s1, s2, s3 = seqs
+    runner = FakeRunner(FakeModel(0), 0, {s.id: s.token_ids[:] for s in seqs}, BS, False,
+                        ScheduledBatchOutput)
+    assert len(sched.running) == 0 and len(sched.waiting) == 0 and not sched.running
+    sched.extend(seqs)
+    assert list(sched.waiting) == seqs and all(a is b for a, b in zip(sched.waiting, seqs,
+                                                                     strict=True))
+    batch, _ = sched.schedule()  # 6 + 6 tokens fill the budget: s3 waits
+    assert batch.req_ids == [1, 2]
+    assert list(sched.running) == [s1, s2] and list(sched.waiting) == [s3]
+    assert sched.running[0] is s1 and sched.running[-1] is s2 and s3 in sched.waiting
+    assert s3 not in sched.running and (len(sched.running), len(sched.waiting)) == (
+        sched.get_request_counts())
+    # ATOM's tests hand postprocess the running sequences.
+    assert sched.postprocess(list(sched.running), runner.forward(batch)) == []
+    batch, _ = sched.schedule()
+    assert batch.req_ids == [3] and list(sched.running) == [s1, s2, s3] and not sched.waiting
+    sched.postprocess(list(sched.running), runner.forward(batch))
+    batch, _ = sched.schedule()  # a decode step: its rows are the running set, in order
+    assert batch.req_ids == [s.id for s in sched.running] == [1, 2, 3]
+    sched.postprocess(list(sched.running), runner.forward(batch))
+    sched.preempt(s2)
+    assert list(sched.running) == [s1, s3] and list(sched.waiting) == [s2]
+    assert s2.status == SequenceStatus.WAITING and s2 in sched.waiting
+    late = Sequence(list(range(900, 905)), BS, AtomSamplingParams(max_tokens=2), id=4)
+    runner.prompts[4] = late.token_ids[:]
+    sched.add(late)
+    assert list(sched.waiting) == [s2, late]  # the preempted sequence first, then FIFO
+    snapshot = sched.running
+    for mutate in (lambda q: q.append(s2), lambda q: q.appendleft(s2), lambda q: q.popleft(),
+                   lambda q: q.pop(), lambda q: q.remove(s1), lambda q: q.clear(),
+                   lambda q: q.extend([s2]), lambda q: q.rotate(1)):
+        with pytest.raises(TypeError, match="read-only"):
+            mutate(snapshot)
+    with pytest.raises(AttributeError):
+        sched.running = deque([s2])  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        sched.waiting = deque()  # type: ignore[misc]
+    assert list(sched.running) == [s1, s3] and list(sched.waiting) == [s2, late]
+    engine_loop(sched, runner)
+    assert not sched.running and not sched.waiting
+    assert all(s.status == SequenceStatus.FINISHED for s in [*seqs, late])
+
+
+@pytest.mark.parametrize("k,deferred", [(0, False), (2, True)])
+def test_running_and_waiting_follow_atoms_preemption_order(k, deferred):
+    """Under KV pressure the core preempts from the tail of ``running`` and each victim goes to
+    the head of ``waiting``: after a step with p preemptions, waiting starts with the last p
+    sequences that were running, in their running order (ATOM's pop() + appendleft())."""
+    reqs = [(rid, list(range(100 * rid, 100 * rid + 14)),
+             AtomSamplingParams(max_tokens=30, temperature=0.0)) for rid in (1, 2, 3, 5)]
+    model = model_for(k, reqs)
+    sched = Scheduler(config(k, num_kvcache_blocks=16, max_num_seqs=4))
+    seqs = {rid: Sequence(p, BS, sp, id=rid) for rid, p, sp in reqs}
+    sched.extend(seqs.values())
+    runner = FakeRunner(model, k, {rid: p for rid, p, _ in reqs}, BS, deferred,
+                        ScheduledBatchOutput)
+    checked = 0
+    for _ in range(2000):
+        if sched.is_finished():
+            break
+        before, preemptions = list(sched.running), sched._core.stats()["num_preemptions"]
+        batch, smap = sched.schedule()
+        running, waiting = list(sched.running), list(sched.waiting)
+        assert (len(running), len(waiting)) == sched.get_request_counts()
+        assert all(s.status == SequenceStatus.RUNNING for s in running)
+        assert all(s.status == SequenceStatus.WAITING for s in waiting)
+        p = sched._core.stats()["num_preemptions"] - preemptions
+        if p:
+            assert waiting[:p] == before[-p:] and running == before[:-p]
+            checked += 1
+        if batch.req_ids:
+            sched.postprocess(smap.values(), runner.forward(batch), None)
+    assert sched.is_finished() and checked > 0
+    for rid, seq in seqs.items():
+        assert seq.completion_token_ids == [model.token(rid, g) for g in range(30)]
