@@ -439,6 +439,8 @@ class Scheduler:
             stop_token_ids=self.stop_token_ids,
             scheduler_delay_factor=float(getattr(config, "scheduler_delay_factor", 0.0) or 0.0),
             enable_kv_events=events_on,
+            # ATOM caches prompt blocks only: decode blocks are cached only if the config opts in.
+            cache_decode_blocks=bool(getattr(config, "cache_decode_blocks", False)),
             # ATOM's runner verifies every decode row as K+1 tokens (see _pad_short_rows).
             uniform_decode_rows=self.mtp_k > 0)
         self._core = CoreScheduler(self.config)

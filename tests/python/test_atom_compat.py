@@ -825,3 +825,70 @@ def test_running_and_waiting_follow_atoms_preemption_order(k, deferred):
     assert sched.is_finished() and checked > 0
     for rid, seq in seqs.items():
         assert seq.completion_token_ids == [model.token(rid, g) for g in range(30)]
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_a_second_chat_turn_hits_the_prompt_blocks_as_atom(deferred, opt_in):
+    """ATOM hashes prompt blocks only (spec 2.6: decode-generated blocks are never hashed), so a
+    follow-up turn resending the conversation hits the previous prompt's full blocks. The drop-in
+    does the same unless the config opts in to ``cache_decode_blocks``, which also hits the
+    blocks the previous turn filled while decoding (docs/atom.md)."""
+    prompt1 = list(range(100, 110))  # 10 tokens: 2 full blocks of 4
+    cfg = config(num_kvcache_blocks=40)
+    if opt_in:
+        cfg.cache_decode_blocks = True  # type: ignore[attr-defined]
+    sched = Scheduler(cfg)
+    model = FakeModel(0)
+    turn1 = Sequence(prompt1, BS, AtomSamplingParams(max_tokens=9, ignore_eos=True), id=1)
+    runner = FakeRunner(model, 0, {1: prompt1}, BS, deferred, ScheduledBatchOutput)
+    sched.add(turn1)
+    engine_loop(sched, runner)
+    assert turn1.leave_reason == "max_tokens" and turn1.num_tokens == 19
+    prompt2 = turn1.token_ids[:19] + list(range(500, 505))  # 24 tokens: 6 blocks
+    turn2 = Sequence(prompt2, BS, AtomSamplingParams(max_tokens=2, ignore_eos=True), id=2)
+    runner.prompts[2] = prompt2  # the same runner and KV cache: it checks every position read
+    rows = runner.rows_checked
+    sched.add(turn2)
+    res = engine_loop(sched, runner)
+    # ATOM: floor(10 / 4) = 2 prompt blocks. Decode blocks: the 18 tokens whose KV turn 1
+    # computed fill 4 blocks.
+    hit = 16 if opt_in else (len(prompt1) // BS) * BS
+    assert turn2.prefix_cache_hit_tokens == hit
+    assert res["streamed"][2][0].num_cached_tokens == hit
+    assert sched.cache_stats.total_cached_tokens == hit
+    assert turn2.leave_reason == "max_tokens" and runner.rows_checked > rows
+    assert sched.config.cache_decode_blocks is opt_in
+
+
+def test_publish_kv_events_raises_an_encode_error_and_counts_it():
+    """ATOM's publisher counts an encode error (``encode_errors``), logs the first and goes on;
+    ours counts it too but raises, from ``publish()`` and so from ``publish_kv_events()``
+    (docs/atom.md): what was not published takes no sequence number, and the next step is
+    published as usual."""
+    from test_kv_events import free_port_run
+
+    port = free_port_run(1)
+    events = SimpleNamespace(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}")
+    sched = Scheduler(config(kv_events_config=events))
+    try:
+        core = sched._core
+        bad = SimpleNamespace(kind="BlockRemoved", block_hashes=[2**64], medium="GPU")
+        sched._core = SimpleNamespace(take_events=lambda: [bad])  # a hash msgpack cannot encode
+        with pytest.raises((OverflowError, ValueError)):
+            sched.publish_kv_events()
+        sched._core = core
+        stats = sched._publisher.stats()
+        assert stats["encode_errors"] == 1 and stats["next_seq"] == 0
+        with pytest.raises(ValueError, match="unknown KV event kind"):
+            sched._publisher.publish([SimpleNamespace(kind="Bogus")])
+        assert sched._publisher.stats()["encode_errors"] == 2
+        sched.add(Sequence(list(range(40, 49)), BS, AtomSamplingParams(max_tokens=2), id=1))
+        runner = FakeRunner(FakeModel(0), 0, {1: list(range(40, 49))}, BS, False,
+                            ScheduledBatchOutput)
+        batch, seqs = sched.schedule()
+        sched.postprocess(seqs.values(), runner.forward(batch), None)
+        sched.publish_kv_events()  # the prompt's two blocks: numbered 0, no gap
+        assert sched._publisher.stats()["next_seq"] == 1
+    finally:
+        sched.shutdown_kv_events()
