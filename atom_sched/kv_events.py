@@ -121,6 +121,14 @@ def encode_batch(
     return msgpack.packb(body, use_bin_type=True)
 
 
+def _encodable(event: EventLike, encoding: Encoding) -> bool:
+    try:
+        msgpack.packb(encode_event(event, encoding), use_bin_type=True)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return True
+
+
 def offset_endpoint_port(endpoint: str, data_parallel_rank: int) -> str:
     """vLLM's rule: a TCP port is offset by the DP rank; an inproc/ipc name gets ``_dp{rank}``."""
     if data_parallel_rank == 0:
@@ -256,6 +264,7 @@ class KVEventPublisher:
         self._stats = {"sent": 0, "dropped": 0, "dropped_lag": 0, "dropped_hwm": 0,
                        "encode_errors": 0, "replays": 0, "replay_errors": 0}
         self._closed = False
+        self._held: list[EventLike] = []  # a step's events whose publication failed as a whole
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
         self._thread.start()
 
@@ -277,6 +286,9 @@ class KVEventPublisher:
             with self._cond:
                 self._stats["encode_errors"] += 1
             raise
+        return self._enqueue(payload)
+
+    def _enqueue(self, payload: bytes) -> int:
         with self._cond:
             seq = self._next_seq
             self._next_seq += 1
@@ -285,12 +297,45 @@ class KVEventPublisher:
         return seq
 
     def publish_step(self, scheduler: Any) -> int | None:
-        """Drains the scheduler's events of this step and publishes them as one batch."""
-        return self.publish(scheduler.take_events())
+        """Drains the scheduler's events of this step and publishes them as one batch.
+
+        No event of the step is lost to another's failure. An event that cannot be encoded
+        (not one the scheduler makes: its ``cache_salt``/``lora_name`` are checked at
+        ``SamplingParams``) is left out and counted in ``stats()["encode_errors"]``; the others
+        are published, then ValueError says how many were left out. Any other failure
+        (MemoryError, ...) keeps the events: the next ``publish_step()`` publishes them first.
+        """
+        if self._closed:
+            raise RuntimeError("publish_step() on a closed KVEventPublisher")
+        events = self._held + list(scheduler.take_events())
+        self._held = []
+        if not events:
+            return None
+        ts = time.time()
+        try:
+            payload = encode_batch(ts, events, self.data_parallel_rank, self.encoding)
+        except (TypeError, ValueError, OverflowError) as exc:
+            good = [e for e in events if _encodable(e, self.encoding)]
+            if len(good) == len(events):  # the batch fails as a whole: not one event's fault
+                self._held = events
+                raise
+            seq = (self._enqueue(encode_batch(ts, good, self.data_parallel_rank, self.encoding))
+                   if good else None)
+            with self._cond:
+                self._stats["encode_errors"] += len(events) - len(good)
+            raise ValueError(
+                f"{len(events) - len(good)} of {len(events)} KV events of this step cannot be "
+                f"encoded and were left out (the other {len(good)} were published as batch "
+                f"{seq}): {exc}") from exc
+        except BaseException:
+            self._held = events
+            raise
+        return self._enqueue(payload)
 
     def stats(self) -> dict[str, int]:
         """``sent``, ``dropped`` (not sent: ``dropped_lag`` + ``dropped_hwm``; all of them
-        replayable while in the ring), ``encode_errors``, ``next_seq``, ``replays`` and
+        replayable while in the ring), ``encode_errors`` (``publish()`` calls whose events could
+        not be encoded, and events ``publish_step()`` left out), ``next_seq``, ``replays`` and
         ``replay_errors`` (malformed replay requests)."""
         with self._cond:
             return {**self._stats, "next_seq": self._next_seq}

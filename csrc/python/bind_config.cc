@@ -69,6 +69,24 @@ SchedulingPolicy scheduling_from(const std::string& name) {
 
 }  // namespace
 
+// A cache_salt or lora_name from Python: a str only, as UTF-8. pybind11's std::string caster
+// would also take bytes (and bytearray) as they are, so a non-UTF-8 salt reached the scheduler
+// and failed only when its KV events were read back, after take_events() had drained them.
+std::string extra_key_text(py::handle value, const char* field) {
+  if (!PyUnicode_Check(value.ptr())) {
+    throw py::type_error(std::string(field) + " must be str, not " +
+                         Py_TYPE(value.ptr())->tp_name);
+  }
+  Py_ssize_t size = 0;
+  const char* data = PyUnicode_AsUTF8AndSize(value.ptr(), &size);
+  if (data == nullptr) {
+    PyErr_Clear();
+    throw py::value_error(std::string(field) +
+                          " must be encodable as UTF-8 (it holds a lone surrogate)");
+  }
+  return std::string(data, static_cast<size_t>(size));
+}
+
 void bind_config(py::module_& m) {
   py::class_<SchedulerConfig> config(m, "SchedulerConfig",
                               "Static configuration of a Scheduler (validated by Scheduler()).");
@@ -157,8 +175,8 @@ void bind_config(py::module_& m) {
                        bool ignore_eos, int32_t n, bool logprobs,
                        std::vector<int32_t> stop_token_ids,
                        std::vector<std::vector<int32_t>> stop_token_sequences, int64_t seed,
-                       int32_t min_tokens, int32_t priority, std::string cache_salt,
-                       std::string lora_name) {
+                       int32_t min_tokens, int32_t priority, const py::object& cache_salt,
+                       const py::object& lora_name) {
              SamplingParams p;
              p.temperature = temperature;
              p.top_k = top_k;
@@ -172,8 +190,8 @@ void bind_config(py::module_& m) {
              p.seed = seed;
              p.min_tokens = min_tokens;
              p.priority = priority;
-             p.cache_salt = std::move(cache_salt);
-             p.lora_name = std::move(lora_name);
+             p.cache_salt = extra_key_text(cache_salt, "cache_salt");
+             p.lora_name = extra_key_text(lora_name, "lora_name");
              p.validate();
              return p;
            }),
@@ -181,7 +199,8 @@ void bind_config(py::module_& m) {
            "max_tokens"_a = 64, "ignore_eos"_a = false, "n"_a = 1, "logprobs"_a = false,
            "stop_token_ids"_a = std::vector<int32_t>{},
            "stop_token_sequences"_a = std::vector<std::vector<int32_t>>{}, "seed"_a = -1,
-           "min_tokens"_a = 0, "priority"_a = 0, "cache_salt"_a = "", "lora_name"_a = "")
+           "min_tokens"_a = 0, "priority"_a = 0, "cache_salt"_a = py::str(""),
+           "lora_name"_a = py::str(""))
       .def_readwrite("temperature", &SamplingParams::temperature)
       .def_readwrite("top_k", &SamplingParams::top_k)
       .def_readwrite("top_p", &SamplingParams::top_p)
@@ -194,8 +213,16 @@ void bind_config(py::module_& m) {
       .def_readwrite("seed", &SamplingParams::seed)
       .def_readwrite("min_tokens", &SamplingParams::min_tokens)
       .def_readwrite("priority", &SamplingParams::priority)
-      .def_readwrite("cache_salt", &SamplingParams::cache_salt)
-      .def_readwrite("lora_name", &SamplingParams::lora_name)
+      .def_property(
+          "cache_salt", [](const SamplingParams& p) { return p.cache_salt; },
+          [](SamplingParams& p, const py::object& v) {
+            p.cache_salt = extra_key_text(v, "cache_salt");
+          })
+      .def_property(
+          "lora_name", [](const SamplingParams& p) { return p.lora_name; },
+          [](SamplingParams& p, const py::object& v) {
+            p.lora_name = extra_key_text(v, "lora_name");
+          })
       .def("validate", &SamplingParams::validate)
       .def("__repr__", [](const SamplingParams& p) {
         return "SamplingParams(temperature=" + std::to_string(p.temperature) +

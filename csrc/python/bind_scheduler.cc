@@ -337,6 +337,9 @@ py::dict request_state(const Request& r) {
 
 }  // namespace
 
+// Defined in bind_config.cc: a cache_salt or lora_name argument, str only, as UTF-8.
+std::string extra_key_text(py::handle value, const char* field);
+
 void bind_scheduler(py::module_& m) {
   m.attr("NULL_BLOCK") = kNullBlock;
   py::class_<RejectedRequest>(m, "RejectedRequest", "A request schedule() can never run.")
@@ -351,7 +354,7 @@ void bind_scheduler(py::module_& m) {
       .def(py::init([](const std::string& kind, std::vector<uint64_t> block_hashes,
                        std::optional<uint64_t> parent_block_hash, std::vector<int32_t> token_ids,
                        int32_t block_size, std::optional<std::string> medium,
-                       std::string lora_name, std::string cache_salt) {
+                       const py::object& lora_name, const py::object& cache_salt) {
              KvEvent e;
              if (kind == "BlockStored") {
                e.kind = KvEventKind::kBlockStored;
@@ -367,13 +370,14 @@ void bind_scheduler(py::module_& m) {
              e.token_ids = std::move(token_ids);
              e.block_size = block_size;
              e.medium = medium_from_name(medium);
-             e.lora_name = std::move(lora_name);
-             e.cache_salt = std::move(cache_salt);
+             e.lora_name = extra_key_text(lora_name, "lora_name");
+             e.cache_salt = extra_key_text(cache_salt, "cache_salt");
              return e;
            }),
            "kind"_a, "block_hashes"_a = std::vector<uint64_t>{},
            "parent_block_hash"_a = py::none(), "token_ids"_a = std::vector<int32_t>{},
-           "block_size"_a = 0, "medium"_a = "GPU", "lora_name"_a = "", "cache_salt"_a = "")
+           "block_size"_a = 0, "medium"_a = "GPU", "lora_name"_a = py::str(""),
+           "cache_salt"_a = py::str(""))
       .def_property_readonly("kind", [](const KvEvent& e) { return event_kind_name(e.kind); })
       .def_readonly("block_hashes", &KvEvent::block_hashes)
       .def_readonly("parent_block_hash", &KvEvent::parent_block_hash)
