@@ -12,7 +12,8 @@ Subcommands:
 
 ``generate`` and ``simulate`` are ``argparse`` subparsers whose options and handler live in their
 modules (``add_arguments``, ``run``); ``bench`` hands its arguments to the harness, which owns its
-options.
+options. Every value flag is parsed by a bounded type (atom_sched/cli_args.py): a bad value is one
+line and exit status 2 before any work.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from .cli_args import Parser
 
 BENCH_HARNESS = "scheduler_bench.py"
 
@@ -65,8 +68,7 @@ def _add_subcommand(sub: Any, name: str, module: str, help: str, description: st
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="atom-sched",
-                                description="atom_sched: LLM-inference scheduler tools")
+    p = Parser(prog="atom-sched", description="atom_sched: LLM-inference scheduler tools")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -94,9 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return _cmd_bench(argv[1:])
-    args, extra = build_parser().parse_known_args(argv)
-    if extra:  # the subcommand's usage, not the top-level one (exits with status 2)
-        args.subparser.error("unrecognized arguments: " + " ".join(extra))
+    try:  # argparse exits on --help (0) and on a refused argument (2): main returns the status
+        args, extra = build_parser().parse_known_args(argv)
+        if extra:  # the subcommand's usage, not the top-level one
+            args.subparser.error("unrecognized arguments: " + " ".join(extra))
+    except SystemExit as e:
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
     return int(args.func(args) or 0)
 
 

