@@ -8,17 +8,22 @@ shared/spec/kv-events-wire.md; in short:
   ``"type"`` key (vLLM >= 0.24, SGLang) or, with ``encoding="array"``, a tagged positional array
   (older consumers);
 * an optional ROUTER socket replays buffered batches from a requested ``seq`` onwards to a
-  DEALER client, ending with ``[b"", b"", END_SEQ, b""]`` (``KVEventPublisher._serve_replay``).
+  DEALER client, ending with ``[b"", b"", END_SEQ, b""]`` (``KVEventPublisher._take_replays``).
 
 Publishing never blocks the engine: ``publish`` encodes and numbers the step's events and puts
 them in the replay ring; a background thread sends them. A batch it cannot send (it lags too far
 behind, or a subscriber's high-water mark is full) is counted in ``stats()["dropped"]`` and stays
-in the ring: subscribers see the gap in the sequence numbers and replay it.
+in the ring: subscribers see the gap in the sequence numbers and replay it. Replays are streamed
+a few batches at a time after the live ones, so requests cannot starve live batches, and never
+faster than the client reads, so they cannot make the publisher queue the ring again per request.
+If the sender thread fails, the publisher logs it once and drops batches from then on (the
+engine goes on): ``error``, ``stats()["failed"]``.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import threading
 import time
 from collections import deque
@@ -43,6 +48,19 @@ __all__ = [
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 MAX_REPLAY_REQUEST = 256  # bytes per frame; a request is 8 (ZMQ drops a peer that sends more)
+# The sender's work per round of its loop: live batches first, then at most this many replay
+# requests read and replay batches sent (over all clients), so replays cannot starve live ones.
+LIVE_BATCHES_PER_ROUND = 256
+REPLAY_REQUESTS_PER_ROUND = 8
+REPLAY_BATCHES_PER_ROUND = 32
+# Replays streamed at once (one per client; a client's new request replaces its own): a request
+# from another client beyond these gets the end marker with "busy" in its last frame.
+MAX_REPLAY_STREAMS = 8
+# Replay messages ZMQ may queue per client (ZMQ_SNDHWM): a client that does not read stalls its
+# replay there instead of making the publisher queue the ring; one stalled this long is dropped.
+REPLAY_SNDHWM = 32
+REPLAY_STALL_S = 5.0
+_log = logging.getLogger(__name__)
 Encoding = Literal["map", "array"]
 
 
@@ -189,6 +207,15 @@ class _Batch:
     payload: bytes
 
 
+@dataclass
+class _Replay:
+    """One client's replay in progress: batches ``[cursor, end)``, then the end marker."""
+
+    cursor: int
+    end: int  # next_seq when the request came: the batches buffered then
+    progress: float  # time.monotonic() of its last message sent
+
+
 class KVEventPublisher:
     """Publishes one batch of KV events per engine step (see the module docstring).
 
@@ -202,6 +229,14 @@ class KVEventPublisher:
     the sender thread lags more than ``max_queue_size`` batches behind, or when a subscriber's
     high-water mark (``hwm`` messages) is full; subscribers see the gap in the sequence numbers
     and replay it.
+
+    If the sender thread fails (say ``ZMQError: Cannot allocate memory``), it closes its sockets,
+    the failure is logged once and kept in ``error``, and ``stats()["failed"]`` is 1. The engine
+    is not interrupted: from then on ``publish()`` and ``publish_step()`` drop each batch
+    (``publish_step()`` still drains the scheduler), return None and count it in ``dropped`` and
+    ``dropped_failed``, as are the batches that were waiting to be sent. Routers see no batch at
+    all; an engine that must not run without them checks ``error``. ``close()`` returns within
+    its timeout in every case.
     """
 
     def __init__(
@@ -250,7 +285,11 @@ class KVEventPublisher:
             if self.replay_endpoint:
                 self._router = self._ctx.socket(zmq.ROUTER)
                 self._router.setsockopt(zmq.LINGER, 0)
-                self._router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                # A full client makes a send fail (EAGAIN) rather than ZMQ drop it silently; the
+                # sender retries that replay later.
+                self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                self._router.setsockopt(zmq.SNDHWM, REPLAY_SNDHWM)
+                self._router.setsockopt(zmq.RCVHWM, 4 * REPLAY_REQUESTS_PER_ROUND)
                 self._router.setsockopt(zmq.MAXMSGSIZE, MAX_REPLAY_REQUEST)
                 self._router.bind(self.replay_endpoint)
                 self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -262,8 +301,11 @@ class KVEventPublisher:
         self._next_seq = 0  # the number of the next batch published
         self._next_send = 0  # the number of the next batch the sender thread sends
         self._stats = {"sent": 0, "dropped": 0, "dropped_lag": 0, "dropped_hwm": 0,
-                       "encode_errors": 0, "replays": 0, "replay_errors": 0}
+                       "dropped_failed": 0, "encode_errors": 0, "replays": 0, "replay_errors": 0,
+                       "replays_refused": 0, "replays_abandoned": 0}
         self._closed = False
+        self.error: str | None = None  # why the sender thread failed ("Type: message")
+        self._close_deadline = 0.0  # time.monotonic() by which close() must return
         self._held: list[EventLike] = []  # a step's events whose publication failed as a whole
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
         self._thread.start()
@@ -272,12 +314,15 @@ class KVEventPublisher:
 
     def publish(self, events: Iterable[EventLike], ts: float | None = None) -> int | None:
         """Numbers and queues one batch; returns its sequence number, or None if there were no
-        events. Never blocks on the network."""
+        events or the sender thread has failed (the batch is dropped: see ``error``). Never
+        blocks on the network."""
         events = list(events)
         if not events:
             return None
         if self._closed:
             raise RuntimeError("publish() on a closed KVEventPublisher")
+        if self.error is not None:
+            return self._drop_failed()
         try:
             payload = encode_batch(
                 time.time() if ts is None else ts, events, self.data_parallel_rank, self.encoding
@@ -288,8 +333,18 @@ class KVEventPublisher:
             raise
         return self._enqueue(payload)
 
-    def _enqueue(self, payload: bytes) -> int:
+    def _drop_failed(self) -> None:
         with self._cond:
+            self._stats["dropped"] += 1
+            self._stats["dropped_failed"] += 1
+        return None
+
+    def _enqueue(self, payload: bytes) -> int | None:
+        with self._cond:
+            if self.error is not None:  # the sender failed since publish() checked
+                self._stats["dropped"] += 1
+                self._stats["dropped_failed"] += 1
+                return None
             seq = self._next_seq
             self._next_seq += 1
             self._ring.append(_Batch(seq, payload))
@@ -311,6 +366,8 @@ class KVEventPublisher:
         self._held = []
         if not events:
             return None
+        if self.error is not None:
+            return self._drop_failed()
         ts = time.time()
         try:
             payload = encode_batch(ts, events, self.data_parallel_rank, self.encoding)
@@ -333,12 +390,17 @@ class KVEventPublisher:
         return self._enqueue(payload)
 
     def stats(self) -> dict[str, int]:
-        """``sent``, ``dropped`` (not sent: ``dropped_lag`` + ``dropped_hwm``; all of them
-        replayable while in the ring), ``encode_errors`` (``publish()`` calls whose events could
-        not be encoded, and events ``publish_step()`` left out), ``next_seq``, ``replays`` and
-        ``replay_errors`` (malformed replay requests)."""
+        """``sent``; ``dropped``: not sent, that is ``dropped_lag`` + ``dropped_hwm`` (replayable
+        while in the ring) + ``dropped_failed`` (lost to a failed sender thread; those published
+        after the failure have no number, so then ``sent + dropped`` exceeds ``next_seq``);
+        ``failed`` (1 once the sender thread failed: ``error`` says why); ``encode_errors``
+        (``publish()`` calls whose events could not be encoded, and events ``publish_step()``
+        left out); ``next_seq``; ``replays``; ``replay_errors`` (malformed replay requests);
+        ``replays_refused`` (while ``MAX_REPLAY_STREAMS`` other clients were served) and
+        ``replays_abandoned`` (the client left, or read nothing for ``REPLAY_STALL_S``)."""
         with self._cond:
-            return {**self._stats, "next_seq": self._next_seq}
+            failed = int(self.error is not None)
+            return {**self._stats, "next_seq": self._next_seq, "failed": failed}
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Waits until every published batch was sent or dropped; False on timeout."""
@@ -352,18 +414,28 @@ class KVEventPublisher:
         return True
 
     def close(self, timeout: float = 2.0) -> None:
-        """Sends what is queued (waiting up to ``timeout`` s), then closes the sockets."""
+        """Sends what is queued and closes the sockets, returning within about ``timeout`` s
+        whatever the state of the sender thread or the subscribers: what is not sent by then is
+        not sent."""
         if self._closed:
             return
+        deadline = time.monotonic() + timeout
         self.flush(timeout)
         with self._cond:
+            self._close_deadline = deadline
             self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout)
-        # The sender thread owns the sockets and closes them as it exits (ZMQ sockets must not be
-        # used from two threads). A sender stuck past the timeout is a daemon: leave it be.
-        if not self._thread.is_alive():
-            self._ctx.term()
+            self._cond.notify_all()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            # The sender thread owns the sockets (ZMQ sockets must not be used from two threads)
+            # and closes them as it exits, which it does between two non-blocking sends: end the
+            # context then, without waiting here.
+            threading.Thread(target=self._ctx.term, name="kv-event-publisher-term",
+                             daemon=True).start()
+            return
+        # The sender closed its sockets as it exited (the PUB one lingering at most until the
+        # deadline); linger=0 closes any it could not.
+        self._ctx.destroy(linger=0)
 
     def __enter__(self) -> KVEventPublisher:
         return self
@@ -388,19 +460,56 @@ class KVEventPublisher:
         return ring[self._next_send - ring[0].seq]
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        if self._router is not None:
-            poller.register(self._router, zmq.POLLIN)
+        try:
+            self._loop()
+        except BaseException as exc:  # recorded, logged, reported by stats()
+            self._fail(exc)
+        finally:
+            # Whatever happened, close the sockets: an open one makes Context.term() block.
+            linger = 0
+            if self.error is None:
+                linger = int(max(0.0, self._close_deadline - time.monotonic()) * 1000)
+            for sock, ms in ((self._pub, linger), (self._router, 0)):
+                if sock is not None:
+                    try:
+                        sock.close(linger=ms)
+                    except Exception:  # close() destroys the context anyway
+                        _log.exception("closing a KV event socket")
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self.error = f"{type(exc).__name__}: {exc}"
+            lost = self._next_seq - self._next_send
+            self._stats["dropped"] += lost
+            self._stats["dropped_failed"] += lost
+            self._next_send = self._next_seq
+            self._cond.notify_all()
+        _log.error("KV event sender thread failed; KV events are dropped from now on: %s",
+                   self.error, exc_info=exc)
+
+    def _loop(self) -> None:
+        replays: dict[bytes, _Replay] = {}
         while True:
-            if self._router is not None and poller.poll(0):
-                self._serve_replay()
+            busy = self._send_live()
+            with self._cond:
+                if self._closed and self._next_send >= self._next_seq:
+                    return
+            if self._router is not None:
+                busy = self._take_replays(replays) | busy
+                busy = self._send_replays(replays) | busy
+            if not busy:
+                with self._cond:
+                    if self._next_send >= self._next_seq and not self._closed:
+                        # Replay requests do not wake this: they wait at most this long.
+                        self._cond.wait(0.005 if replays else 0.01)
+
+    def _send_live(self) -> bool:
+        """Sends up to LIVE_BATCHES_PER_ROUND published batches; True if there were any."""
+        for n in range(LIVE_BATCHES_PER_ROUND):
             with self._cond:
                 batch = self._next_batch()
-                if batch is None:
-                    if self._closed:
-                        break
-                    self._cond.wait(0.01)
-                    continue
+            if batch is None:
+                return n > 0
             try:
                 self._pub.send_multipart(
                     [self.topic, batch.seq.to_bytes(8, "big"), batch.payload], zmq.NOBLOCK)
@@ -412,27 +521,82 @@ class KVEventPublisher:
                 self._stats["dropped"] += key != "sent"
                 self._next_send = batch.seq + 1
                 self._cond.notify_all()
-        self._pub.close()
-        if self._router is not None:
-            self._router.close()
+        return True
 
-    def _serve_replay(self) -> None:
-        """Answers one replay request. The exchange (a DEALER client; a REQ socket would read only
-        the first reply): the client sends ``[b"", start_seq]`` (8 bytes, big-endian); the
-        reply is ``[b"", topic, seq, payload]`` for every buffered batch from ``start_seq`` on,
-        then the end marker ``[b"", b"", END_SEQ, b""]``. A malformed request gets the end marker
-        with the error text in its last frame."""
-        frames = self._router.recv_multipart()
-        identity = frames[0]
-        error = None
-        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-            error = (b"replay request must be [b'', start_seq (8 bytes big-endian)] from a "
-                     b"DEALER socket")
-        with self._cond:
-            self._stats["replays" if error is None else "replay_errors"] += 1
-            batches = [] if error else [b for b in self._ring
-                                        if b.seq >= int.from_bytes(frames[2], "big")]
-        for batch in batches:
-            self._router.send_multipart(
-                [identity, b"", self.topic, batch.seq.to_bytes(8, "big"), batch.payload])
-        self._router.send_multipart([identity, b"", b"", END_SEQ, error or b""])
+    def _send_replay_frames(self, frames: list[bytes]) -> bool | None:
+        """True if sent; False if the client's queue is full (try later); None if the client is
+        gone."""
+        try:
+            self._router.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return None
+            raise
+        return True
+
+    def _take_replays(self, replays: dict[bytes, _Replay]) -> bool:
+        """Reads up to REPLAY_REQUESTS_PER_ROUND replay requests. The exchange (a DEALER client; a
+        REQ socket would read only the first reply): the client sends ``[b"", start_seq]`` (8
+        bytes, big-endian); the reply is ``[b"", topic, seq, payload]`` for every batch buffered
+        at the request from ``start_seq`` on, then the end marker ``[b"", b"", END_SEQ, b""]``.
+        A malformed request, or one while MAX_REPLAY_STREAMS other clients are served, gets the
+        end marker at once with the reason in its last frame."""
+        n = 0
+        while n < REPLAY_REQUESTS_PER_ROUND:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            n += 1
+            identity = frames[0]
+            error = None
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                error, key = (b"replay request must be [b'', start_seq (8 bytes big-endian)] "
+                              b"from a DEALER socket"), "replay_errors"
+            elif identity not in replays and len(replays) >= MAX_REPLAY_STREAMS:
+                error, key = b"replay busy: ask again later", "replays_refused"
+            else:
+                key = "replays"
+            with self._cond:
+                self._stats[key] += 1
+                end = self._next_seq
+            if error is not None:
+                self._send_replay_frames([identity, b"", b"", END_SEQ, error])
+            else:  # a client's new request replaces its replay in progress
+                replays.pop(identity, None)
+                replays[identity] = _Replay(int.from_bytes(frames[2], "big"), end,
+                                            time.monotonic())
+        return n > 0
+
+    def _send_replays(self, replays: dict[bytes, _Replay]) -> bool:
+        """Sends up to REPLAY_BATCHES_PER_ROUND replay messages, taking the clients in turn."""
+        budget = REPLAY_BATCHES_PER_ROUND
+        now = time.monotonic()
+        for identity in list(replays):
+            if budget <= 0:
+                break
+            r = replays.pop(identity)  # put back at the end if it is not finished
+            while budget > 0:
+                with self._cond:
+                    ring = self._ring
+                    first = ring[0].seq if ring else self._next_seq
+                    r.cursor = max(r.cursor, first)  # what left the ring is gone
+                    batch = ring[r.cursor - first] if r.cursor < r.end else None
+                frames = ([identity, b"", self.topic, batch.seq.to_bytes(8, "big"), batch.payload]
+                          if batch is not None else [identity, b"", b"", END_SEQ, b""])
+                sent = self._send_replay_frames(frames)
+                if not sent:
+                    break
+                budget -= 1
+                r.progress = now
+                if batch is None:
+                    break
+                r.cursor += 1
+            if sent is None or (sent is False and now - r.progress > REPLAY_STALL_S):
+                with self._cond:
+                    self._stats["replays_abandoned"] += 1
+            elif not (sent and batch is None):  # not finished: its turn comes again
+                replays[identity] = r
+        return budget < REPLAY_BATCHES_PER_ROUND
