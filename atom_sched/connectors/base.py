@@ -13,17 +13,26 @@ one-sided READs in nixl.py):
 
 A transport subclass adds its message kinds and moves the KV: the producer's ``_handlers`` and
 ``_poll_transport``; the consumer's ``_begin`` (start a request's transfer), ``_poll_transport``
-and ``_reply_kinds``/``_on_reply``. Control frames are checked by control.py; anything that fails
-a check is logged and dropped and never raises out of ``poll()``.
+and ``_reply_kinds``/``_on_reply``. Control frames are checked by control.py and travel in a
+session per consumer connection (``OPEN`` -> ``SESSION``, control.py); anything that fails a check
+is counted and dropped and never raises out of ``poll()``.
+
+What a flood costs: one ``poll()`` reads at most :data:`MAX_FRAMES_PER_POLL` frames a socket
+(ZMQ queues the rest, and a ROUTER takes its peers in turn, so an honest consumer's frames still
+come through), and rejected frames are logged at most once every :data:`REJECT_LOG_INTERVAL_S`
+seconds with the count since (``transfer_stats["rejected"]`` counts them all). A consumer keeps a
+socket per producer only while a request needs it (plus ``link_idle_s``), at most
+:data:`MAX_PRODUCERS` producers at once.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from collections import deque
+import weakref
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,38 +40,87 @@ import zmq
 
 from .._core import ConnectorRequest, KVConnector, RemoteMatch
 from .control import (
+    OPEN,
+    ClientHandshake,
     FrameError,
     RemoteParams,
-    Signer,
+    Session,
     check_loopback_host,
+    check_secret,
     logger,
     new_transfer_id,
     parse_remote_params,
+    server_open,
     transfer_id,
 )
 
 DONE = b"DONE"  # consumer -> producer: {transfer_id} (received, or given up): free the blocks
 LOG_ENTRIES = 10_000  # the event log is a ring: a flood of bad frames cannot grow memory
+MAX_FRAMES_PER_POLL = 64  # frames one poll() reads from one socket; ZMQ queues the rest
+REJECT_LOG_INTERVAL_S = 10.0  # at most one warning this often about rejected frames
+MAX_SESSIONS = 256  # sessions a producer keeps (least recently used go first, unproven first)
+MAX_PRODUCERS = 64  # distinct producers a consumer talks to at once
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _release(ctx: zmq.Context, sockets: list[zmq.Socket], closers: list[Callable[[], None]]
+             ) -> None:
+    """Close a connector's resources: its transport's (``closers``, last opened first), every
+    socket, then the context. A weakref finalizer runs it on close(), when the connector is
+    collected, or at exit; it holds the sockets itself, so that a connector collected in a
+    reference cycle still closes them before the context terminates (the context's own
+    finalizer would block in ``term()`` on sockets nobody closed)."""
+    for close in reversed(closers):
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - closing: nothing left to protect
+            pass
+    for sock in sockets:
+        sock.close(linger=0)
+    ctx.destroy(linger=0)
+
+
 class ConnectorBase(KVConnector):
-    """Engine binding, the signer, the event log and transfer statistics of both sides."""
+    """Engine binding, the secret, the event log and transfer statistics of both sides."""
 
     def __init__(self, engine_id: str, secret: bytes) -> None:
         super().__init__()
         self.engine_id = engine_id
-        self._signer = Signer(secret)
+        self._secret = check_secret(secret)
         self._engine: Any = None
         self._ctx = zmq.Context()
-        self._closed = False
+        self._sockets: list[zmq.Socket] = []
+        self._closers: list[Callable[[], None]] = []
+        self._finalizer = weakref.finalize(self, _release, self._ctx, self._sockets,
+                                           self._closers)
         # (monotonic time, event, request id or -1, detail): for tests, operators and debugging.
         self.log: deque[tuple[float, str, int, Any]] = deque(maxlen=LOG_ENTRIES)
         self.transfer_stats = {"transfers": 0, "blocks": 0, "bytes": 0, "seconds": 0.0,
                                "failed": 0, "rejected": 0}
+        self._rejects_unlogged = 0
+        self._reject_logged_at = -REJECT_LOG_INTERVAL_S
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    @property
+    def num_sockets(self) -> int:
+        """Sockets open now (the producer's one; a consumer's, one per producer it needs)."""
+        return len(self._sockets)
+
+    def _new_socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        self._sockets.append(sock)
+        return sock
+
+    def _close_socket(self, sock: zmq.Socket, linger_ms: int = 0) -> None:
+        self._sockets.remove(sock)
+        sock.close(linger=linger_ms)
 
     # -- engine side ----------------------------------------------------------------------------
     def bind(self, engine: Any) -> None:
@@ -89,10 +147,17 @@ class ConnectorBase(KVConnector):
         self.log.append((time.monotonic(), event, int(rid), detail))
 
     def _reject(self, why: str) -> None:
-        """A frame that failed a check: counted, logged, dropped."""
+        """A frame that failed a check: counted, kept in the log ring, dropped; a warning at
+        most every REJECT_LOG_INTERVAL_S (a flood must not flood the logs too)."""
         self.transfer_stats["rejected"] += 1
         self._log("rejected", -1, why)
-        logger.warning("%s: rejected a frame: %s", self.engine_id, why)
+        self._rejects_unlogged += 1
+        now = time.monotonic()
+        if now - self._reject_logged_at >= REJECT_LOG_INTERVAL_S:
+            logger.warning("%s: rejected %d frame(s) since the last warning, the last: %s",
+                           self.engine_id, self._rejects_unlogged, why)
+            self._rejects_unlogged = 0
+            self._reject_logged_at = now
 
     def _count(self, blocks: int, nbytes: int, seconds: float) -> None:
         st = self.transfer_stats
@@ -102,15 +167,8 @@ class ConnectorBase(KVConnector):
         st["seconds"] += seconds
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._ctx.destroy(linger=0)
-
-    def __del__(self) -> None:  # pragma: no cover - best effort
-        try:
-            self.close()
-        except Exception:
-            pass
+        """Close the sockets and the transport (also done when the connector is collected)."""
+        self._finalizer()
 
 
 @dataclass
@@ -136,8 +194,7 @@ class ProducerBase(ConnectorBase):
         super().__init__(engine_id, self.secret)
         self.host = check_loopback_host(host)
         self.release_timeout_s = float(release_timeout_s)
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock = self._new_socket(zmq.ROUTER)
         # Only headers come in: a larger frame closes that peer's connection inside ZMQ.
         self._sock.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
         if port:
@@ -145,6 +202,8 @@ class ProducerBase(ConnectorBase):
             self.port = int(port)
         else:
             self.port = self._sock.bind_to_random_port(f"tcp://{self.host}")
+        # A session per consumer connection (ROUTER identity); see control.py.
+        self._sessions: OrderedDict[bytes, Session] = OrderedDict()
         self._marked: set[int] = set()  # do_remote_decode requests not finished
         self._sends: dict[str, Send] = {}  # transfer id -> blocks held for the consumer
         self._outputs: dict[int, dict[str, Any]] = {}  # kv_transfer_params_output, not taken
@@ -225,14 +284,13 @@ class ProducerBase(ConnectorBase):
         """Serve the side channel and the transport; returns ``(finished_sending, [], {})``."""
         if timeout_ms and self._sends:
             self._wait(timeout_ms)
-        while True:
+        for _ in range(MAX_FRAMES_PER_POLL):
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                ident, *frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
             try:
-                kind, hdr, _ = self._signer.unpack(frames[1:], dict.fromkeys(self._handlers, 0))
-                self._handlers[kind](frames[0], hdr)
+                self._on_frames(ident, frames)
             except FrameError as e:
                 self._reject(str(e))
         self._poll_transport()
@@ -242,6 +300,30 @@ class ProducerBase(ConnectorBase):
                 self._finish(tid, "timed out")
         done, self._finished = self._finished, []
         return done, [], {}
+
+    def _on_frames(self, ident: bytes, frames: list[bytes]) -> None:
+        """One message from the consumer connection ``ident``: an OPEN starts its session
+        (replacing any earlier one), anything else must come in that session."""
+        if frames and frames[0] == OPEN:
+            session, reply = server_open(self._secret, f"{self.host}:{self.port}", frames)
+            self._keep_session(ident, session)
+            self._sock.send_multipart([ident, *reply], zmq.NOBLOCK)
+            return
+        session = self._sessions.get(ident)
+        if session is None:
+            raise FrameError("no session on this connection (OPEN first)")
+        kind, hdr, _ = session.unpack(frames, dict.fromkeys(self._handlers, 0))
+        self._sessions.move_to_end(ident)
+        self._handlers[kind](ident, hdr)
+
+    def _keep_session(self, ident: bytes, session: Session) -> None:
+        """Keep at most MAX_SESSIONS: the least recently used goes, one that never carried a
+        frame (a replayed OPEN's, say) before any that did."""
+        self._sessions.pop(ident, None)
+        if len(self._sessions) >= MAX_SESSIONS:
+            unproven = next((i for i, s in self._sessions.items() if not s.used), None)
+            self._sessions.pop(next(iter(self._sessions)) if unproven is None else unproven)
+        self._sessions[ident] = session
 
     def _wait(self, timeout_ms: int) -> None:
         """Wait for work when the engine is idle: by default, for a side-channel frame."""
@@ -260,7 +342,13 @@ class ProducerBase(ConnectorBase):
         self._finish(tid, "acked" if send.served else "released by the consumer")
 
     def _send(self, ident: bytes, kind: bytes, hdr: dict[str, Any], *data: Any) -> None:
-        self._sock.send_multipart([ident, *self._signer.pack(kind, hdr), *data], copy=False)
+        """A reply in ``ident``'s session (dropped if that consumer's queue is full: it times
+        out and fails only its request)."""
+        try:
+            self._sock.send_multipart([ident, *self._sessions[ident].pack(kind, hdr), *data],
+                                      zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._log("dropped", -1, f"a {kind.decode()} reply: the consumer's queue is full")
 
     def _finish(self, tid: str, why: str) -> None:
         send = self._sends.pop(tid, None)
@@ -269,6 +357,18 @@ class ProducerBase(ConnectorBase):
         self._outputs.pop(send.request_id, None)
         self._finished.append(send.request_id)
         self._log("released", send.request_id, why)
+
+
+@dataclass
+class Link:
+    """The consumer's connection to one producer: its DEALER socket, the handshake until the
+    producer's SESSION arrives, then the session; frames sent before that wait in ``queued``."""
+
+    sock: zmq.Socket
+    handshake: ClientHandshake
+    session: Session | None = None
+    queued: list[tuple[bytes, dict[str, Any]]] = field(default_factory=list)
+    idle_since: float | None = None  # when the last request that needed it ended
 
 
 @dataclass
@@ -293,14 +393,16 @@ class ConsumerBase(ConnectorBase):
     (:attr:`ProducerBase.secret`)."""
 
     def __init__(self, *, secret: bytes, engine_id: str = "decode-0",
-                 recv_timeout_s: float = 60.0) -> None:
+                 recv_timeout_s: float = 60.0, link_idle_s: float = 5.0) -> None:
         super().__init__(engine_id, secret)
         self.recv_timeout_s = float(recv_timeout_s)
+        # A producer's socket is closed once no request has needed it for this long.
+        self.link_idle_s = float(link_idle_s)
         self._remote: dict[int, RemoteParams] = {}  # do_remote_prefill, not allocated yet
         self._recvs: dict[int, Recv] = {}  # allocated, KV not written yet
         self._by_tid: dict[str, int] = {}  # transfer id -> request id, for the _recvs
         self._to_start: list[int] = []
-        self._socks: dict[tuple[str, int], zmq.Socket] = {}
+        self._links: dict[tuple[str, int], Link] = {}
 
     # -- scheduler side (KVConnector) -----------------------------------------------------------
     def is_producer(self) -> bool:
@@ -349,8 +451,14 @@ class ConsumerBase(ConnectorBase):
     # -- engine side ----------------------------------------------------------------------------
     def add_request(self, request_id: int, prompt_token_ids: list[int],
                     kv_transfer_params: dict[str, Any]) -> None:
-        self._remote[int(request_id)] = parse_remote_params(kv_transfer_params,
-                                                            self._max_blocks())
+        params = parse_remote_params(kv_transfer_params, self._max_blocks())
+        if params.endpoint not in self._links and len(self._links) >= MAX_PRODUCERS:
+            self._close_idle_links(time.monotonic(), idle_s=0.0)
+            if len(self._links) >= MAX_PRODUCERS:
+                raise ValueError(f"kv_transfer_params: requests already wait on {MAX_PRODUCERS}"
+                                 f" producers, {params.endpoint} would be one more")
+        self._remote[int(request_id)] = params
+        self._link(params.endpoint)  # open the session now: it is likely up by the first use
 
     def has_pending(self) -> bool:
         return bool(self._recvs)
@@ -375,15 +483,14 @@ class ConsumerBase(ConnectorBase):
         self._to_start.clear()
         if timeout_ms and self._recvs:
             self._wait(timeout_ms)
-        for endpoint, sock in self._socks.items():
-            while True:
+        for endpoint, link in list(self._links.items()):
+            for _ in range(MAX_FRAMES_PER_POLL):
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = link.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 try:
-                    kind, hdr, data = self._signer.unpack(frames, self._reply_kinds)
-                    self._on_reply(endpoint, kind, hdr, data, recving, failed)
+                    self._on_frames(endpoint, link, frames, recving, failed)
                 except FrameError as e:
                     self._reject(str(e))
         self._poll_transport(recving, failed)
@@ -396,7 +503,42 @@ class ConsumerBase(ConnectorBase):
         for rid, why in failed.items():
             self.transfer_stats["failed"] += 1
             self._log("failed", rid, why)
+        self._close_idle_links(now, self.link_idle_s)
         return [], recving, failed
+
+    def _on_frames(self, endpoint: tuple[str, int], link: Link, frames: list[Any],
+                   recving: list[int], failed: dict[int, str]) -> None:
+        """One message from a producer: its SESSION answer first, then replies in the
+        session."""
+        if link.session is None:
+            link.session = link.handshake.accept(frames)
+            self._log("session", -1, f"{endpoint[0]}:{endpoint[1]}")
+            queued, link.queued = link.queued, []
+            for kind, hdr in queued:
+                self._send(endpoint, kind, hdr)
+            return
+        kind, hdr, data = link.session.unpack(frames, self._reply_kinds)
+        self._on_reply(endpoint, kind, hdr, data, recving, failed)
+
+    def _close_idle_links(self, now: float, idle_s: float) -> None:
+        """Close the sockets no request has needed for ``idle_s`` (a DONE still queued for a
+        producer that never answered is dropped with it: that producer frees the blocks after
+        its release timeout)."""
+        in_use = {p.endpoint for p in self._remote.values()}
+        in_use.update(r.endpoint for r in self._recvs.values())
+        for endpoint, link in list(self._links.items()):
+            if endpoint in in_use:
+                link.idle_since = None
+            elif link.idle_since is None and idle_s > 0:
+                link.idle_since = now
+            elif link.idle_since is None or now - link.idle_since >= idle_s:
+                del self._links[endpoint]
+                # A moment for a DONE just sent to leave; close() later drops it regardless.
+                self._close_socket(link.sock, linger_ms=100)
+                self._link_closed(endpoint)
+
+    def _link_closed(self, endpoint: tuple[str, int]) -> None:
+        """The transport forgets what it kept for that connection."""
 
     # -- for the transport ----------------------------------------------------------------------
     _reply_kinds: dict[bytes, int] = {}  # side-channel kinds a producer sends -> data frames
@@ -421,8 +563,8 @@ class ConsumerBase(ConnectorBase):
     def _wait(self, timeout_ms: int) -> None:
         """Wait for a reply when the engine is idle."""
         poller = zmq.Poller()
-        for s in self._socks.values():
-            poller.register(s, zmq.POLLIN)
+        for link in self._links.values():
+            poller.register(link.sock, zmq.POLLIN)
         poller.poll(timeout_ms)
 
     def _received(self, rid: int, recving: list[int]) -> None:
@@ -434,8 +576,7 @@ class ConsumerBase(ConnectorBase):
         self._log("received", rid, {"blocks": len(rec.local_blocks), "bytes": nbytes,
                                     "seconds": seconds})
         if self._ack_on_side_channel:
-            self._socket(rec.endpoint).send_multipart(
-                self._signer.pack(DONE, {"transfer_id": rec.params.transfer_id}))
+            self._send(rec.endpoint, DONE, {"transfer_id": rec.params.transfer_id})
         recving.append(rid)
 
     def _fail(self, rid: int, why: str, failed: dict[int, str]) -> None:
@@ -451,17 +592,38 @@ class ConsumerBase(ConnectorBase):
             raise FrameError("a reply for no transfer started with that producer")
         return rid, self._recvs[rid]
 
-    def _socket(self, endpoint: tuple[str, int]) -> zmq.Socket:
-        sock = self._socks.get(endpoint)
-        if sock is None:
+    def _link(self, endpoint: tuple[str, int]) -> Link:
+        """The connection to the producer at ``endpoint``; the first time, it connects and sends
+        OPEN."""
+        link = self._links.get(endpoint)
+        if link is None:
             host, port = endpoint
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
+            sock = self._new_socket(zmq.DEALER)
+            # An unguessable identity (ZMQ's own are sequential): nobody can reconnect under it
+            # to catch a reply meant for this connection.
+            sock.setsockopt(zmq.ROUTING_ID, b"\x01" + secrets.token_bytes(15))
             # The largest reply this engine can need: a whole max_model_len request's blocks.
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_blocks() * self._block_bytes() + (1 << 20))
             sock.connect(f"tcp://{check_loopback_host(host)}:{port}")
-            self._socks[endpoint] = sock
-        return sock
+            link = self._links[endpoint] = Link(sock, ClientHandshake(self._secret,
+                                                                      f"{host}:{port}"))
+            self._post(link, link.handshake.open_frames())
+        return link
+
+    def _send(self, endpoint: tuple[str, int], kind: bytes, hdr: dict[str, Any]) -> None:
+        """Send ``kind`` to the producer at ``endpoint`` in its session (queued until the
+        session is open)."""
+        link = self._link(endpoint)
+        if link.session is None:
+            link.queued.append((kind, hdr))
+        else:
+            self._post(link, link.session.pack(kind, hdr))
+
+    def _post(self, link: Link, frames: list[bytes]) -> None:
+        try:
+            link.sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:  # the producer is not reading: its requests time out
+            self._log("dropped", -1, f"a {frames[0].decode()} frame: the producer's queue is full")
 
     def _end(self, rid: int) -> Recv:
         rec = self._recvs.pop(rid)
@@ -469,9 +631,6 @@ class ConsumerBase(ConnectorBase):
         return rec
 
     def _release_remote(self, params: RemoteParams) -> None:
-        """Tell the producer it may free a transfer's blocks (nothing more will be read)."""
-        try:
-            self._socket(params.endpoint).send_multipart(
-                self._signer.pack(DONE, {"transfer_id": params.transfer_id}), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the producer frees it after its release timeout
+        """Tell the producer it may free a transfer's blocks (nothing more will be read; if the
+        DONE is lost, the producer frees them after its release timeout)."""
+        self._send(params.endpoint, DONE, {"transfer_id": params.transfer_id})

@@ -30,9 +30,10 @@ The decode side pulls, as ATOM's MoRIIO and vLLM's NIXL connectors read the remo
 6. Prefill ``poll()``: on ``DONE`` from the consumer that pulled, it reports
    ``finished_sending``; only then does the scheduler free the request's blocks.
 
-Every message is authenticated with the pair's shared ``secret`` (control.py). A failed transfer
-(unknown transfer, layout mismatch, timeout) ends the decode request with a
-``"kv transfer failed: ..."`` reason; the producer frees blocks nobody pulls after
+Every message travels in a session keyed from the pair's shared ``secret`` and fresh nonces
+(``OPEN`` -> ``SESSION`` first, control.py), so a frame caught by a listener is useless to
+replay. A failed transfer (unknown transfer, layout mismatch, timeout) ends the decode request
+with a ``"kv transfer failed: ..."`` reason; the producer frees blocks nobody pulls after
 ``release_timeout_s``.
 """
 
@@ -101,7 +102,7 @@ class LoopbackConsumer(ConsumerBase):
 
     def _begin(self, rid: int, rec: Recv, failed: dict[int, str]) -> None:
         hdr = {"transfer_id": rec.params.transfer_id, "block_ids": rec.remote_blocks}
-        self._socket(rec.endpoint).send_multipart(self._signer.pack(PULL, hdr))
+        self._send(rec.endpoint, PULL, hdr)
         self._log("pull", rid, {"blocks": len(rec.remote_blocks)})
 
     def _on_reply(self, endpoint: tuple[str, int], kind: bytes, hdr: dict[str, Any],

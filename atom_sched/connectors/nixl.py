@@ -10,7 +10,9 @@ it runs without a GPU, over UCX). The design is vLLM's:
 * the decode side asks the producer for its agent metadata over the authenticated side channel
   (``HELLO`` -> ``META``: metadata, region base addresses, block count and size), once per
   producer, checks that the layouts match, loads the metadata and prepares one descriptor list
-  per side (every block of every region), once;
+  per side (every block of every region), once; HELLO names a transfer the producer holds, and
+  both travel in a session (control.py), so neither a replayed HELLO nor a listener relaying
+  the decode side's frames gets the metadata;
 * per request it READs the remote blocks into its own (``make_prepped_xfer`` + ``transfer``)
   with the transfer id as the notification, and polls ``check_xfer_state`` once per engine step:
   done -> ``finished_recving``; an error or a dead producer fails the request with its reason;
@@ -24,10 +26,12 @@ shared-memory transports need it; a dead peer is still detected), no progress th
 spins a core). On a CPU the READ is a ``process_vm_readv`` copy that completes inside
 ``transfer()``.
 
-What an authenticated peer can do: a consumer that knows the secret gets the producer's agent
-metadata, and NIXL READs are one-sided, so it could read any block of the producer's KV cache.
-The secret is the trust boundary (as in vLLM, where any peer with the metadata can); nothing
-without it gets the metadata, and every frame and notification is checked before NIXL sees it.
+What an authenticated peer can do: a consumer that knows the secret and a live transfer id gets
+the producer's agent metadata, and NIXL READs are one-sided, so it could read any block of the
+producer's KV cache. The secret is the trust boundary (as in vLLM, where any peer with the
+metadata can); nothing without it gets the metadata (a frame it caught is bound to another
+session, or to another endpoint), and every frame and notification is checked before NIXL sees
+it.
 """
 
 from __future__ import annotations
@@ -43,11 +47,11 @@ import numpy as np
 import zmq
 
 from .base import ConsumerBase, ProducerBase, Recv
-from .control import FrameError, logger, transfer_id
+from .control import FrameError, RemoteParams, logger, transfer_id
 
 __all__ = ["NixlConsumer", "NixlProducer", "nixl_available"]
 
-HELLO = b"HELLO"  # consumer -> producer: {agent_name}: asks for the producer's agent metadata
+HELLO = b"HELLO"  # consumer -> producer: {agent_name, transfer_id}: asks for the metadata
 META = b"META"  # producer -> consumer: {agent_name, metadata, layout}
 MAX_METADATA = 1 << 20  # bytes (about 3 KB for a 30-layer model)
 MAX_PEERS = 1024  # agent names a producer remembers
@@ -137,6 +141,7 @@ class NixlProducer(ProducerBase):
     def bind(self, engine: Any) -> None:
         super().bind(engine)
         self._agent = _Agent(self.engine_id, engine)
+        self._closers.append(self._agent.close)
 
     def _hello(self, ident: bytes, hdr: dict[str, Any]) -> None:
         name = hdr.get("agent_name")
@@ -144,6 +149,8 @@ class NixlProducer(ProducerBase):
             raise FrameError("agent_name must be 1-128 letters, digits, '.', '_' or '-'")
         if self._agent is None:
             raise FrameError("HELLO before the connector is bound to an engine")
+        if transfer_id(hdr.get("transfer_id")) not in self._sends:
+            raise FrameError("HELLO for no transfer held here")
         if name not in self._peers and len(self._peers) >= MAX_PEERS:
             raise FrameError(f"more than {MAX_PEERS} consumers")
         self._peers.add(name)
@@ -188,10 +195,6 @@ class NixlProducer(ProducerBase):
             self._log("served", send.request_id, {"blocks": len(send.blocks), "agent": name})
             self._finish(tid, "acked")
 
-    def close(self) -> None:
-        if self._agent is not None:
-            self._agent.close()
-        super().close()
 
 
 @dataclass
@@ -220,6 +223,7 @@ class NixlConsumer(ConsumerBase):
     def bind(self, engine: Any) -> None:
         super().bind(engine)
         a = self._agent = _Agent(self.engine_id, engine)
+        self._closers.append(a.close)
         self._local = a.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", block_descs(a.bases, a.num_blocks, a.block_len), "DRAM")
 
@@ -227,20 +231,28 @@ class NixlConsumer(ConsumerBase):
                     kv_transfer_params: dict[str, Any]) -> None:
         super().add_request(request_id, prompt_token_ids, kv_transfer_params)
         # Say HELLO now: the metadata is likely here by the time the request has its blocks.
-        self._peer(self._remote[int(request_id)].endpoint)
+        self._peer(self._remote[int(request_id)])
 
-    def _peer(self, endpoint: tuple[str, int]) -> _Peer:
-        """The producer at ``endpoint``; the first time, HELLO is sent to it."""
-        peer = self._peers.get(endpoint)
+    def _peer(self, params: RemoteParams) -> _Peer:
+        """The producer of ``params``'s transfer; the first time, HELLO (naming that transfer)
+        is sent to it."""
+        peer = self._peers.get(params.endpoint)
         if peer is None:
-            peer = self._peers[endpoint] = _Peer()
+            peer = self._peers[params.endpoint] = _Peer()
             assert self._agent is not None
-            self._socket(endpoint).send_multipart(
-                self._signer.pack(HELLO, {"agent_name": self._agent.name}))
+            self._send(params.endpoint, HELLO, {"agent_name": self._agent.name,
+                                                "transfer_id": params.transfer_id})
         return peer
 
+    def _link_closed(self, endpoint: tuple[str, int]) -> None:
+        # A producer that never answered HELLO is asked again on the next connection; one whose
+        # agent is loaded stays (READs do not need the side channel).
+        peer = self._peers.get(endpoint)
+        if peer is not None and peer.name is None:
+            del self._peers[endpoint]
+
     def _begin(self, rid: int, rec: Recv, failed: dict[int, str]) -> None:
-        peer = self._peer(rec.endpoint)
+        peer = self._peer(rec.params)
         if peer.name is None:
             peer.waiting.append(rid)
         else:
@@ -362,8 +374,3 @@ class NixlConsumer(ConsumerBase):
 
     def _cancel(self, rec: Recv) -> bool:
         return self._release_handle(rec)
-
-    def close(self) -> None:
-        if self._agent is not None:
-            self._agent.close()
-        super().close()

@@ -20,8 +20,10 @@ pytest.importorskip("transformers")
 zmq = pytest.importorskip("zmq")
 import msgpack  # noqa: E402
 from support.disagg import TINY, Pair, tiny_case  # noqa: E402
+from support.side_channel import FakeProducer, Peer, Relay  # noqa: E402
 
 from atom_sched.connectors import LoopbackConsumer  # noqa: E402
+from atom_sched.connectors.base import MAX_FRAMES_PER_POLL, MAX_PRODUCERS  # noqa: E402
 from atom_sched.connectors.control import MAX_HEADER_BYTES, Signer  # noqa: E402
 from atom_sched.engine import EngineConfig, LLMEngine  # noqa: E402
 
@@ -39,29 +41,6 @@ def held(tiny):
     pair.prefill_only([0, 1], prompts, params)
     yield pair, prompts, params, ref
     pair.close()
-
-
-class Peer:
-    """A local process's DEALER socket on the producer's port."""
-
-    def __init__(self, port: int) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://127.0.0.1:{port}")
-
-    def replies(self, engine: LLMEngine, timeout_s: float = 0.3) -> list[list[bytes]]:
-        """Step the engine until ``timeout_s`` passes; every reply the peer got meanwhile."""
-        got = []
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            engine.step()
-            while self.sock.poll(10):
-                got.append(self.sock.recv_multipart())
-        return got
-
-    def close(self) -> None:
-        self.ctx.destroy(linger=0)
 
 
 def xfer(pair: Pair, rid: int) -> dict:
@@ -147,11 +126,12 @@ def test_transfer_ids_are_random_and_unguessable(held):
         assert len(t) == 32 and int(t, 16) not in (0, 1)
 
 
-def pull_replies(pair: Pair, peer: Peer, signer: Signer, tid: str, blocks) -> list[dict]:
-    peer.sock.send_multipart(signer.pack(b"PULL", {"transfer_id": tid, "block_ids": blocks}))
+def pull_replies(pair: Pair, peer: Peer, tid: str, blocks) -> list[dict]:
+    """PULL in ``peer``'s session; the replies, checked in it."""
+    peer.send(b"PULL", {"transfer_id": tid, "block_ids": blocks})
     out = []
     for frames in peer.replies(pair.pre):
-        kind, hdr, data = signer.unpack(frames, {b"KV": 1, b"ERR": 0})
+        kind, hdr, data = peer.session.unpack(frames, {b"KV": 1, b"ERR": 0})
         out.append({"kind": kind, **hdr, "bytes": sum(len(d) for d in data)})
     return out
 
@@ -162,9 +142,9 @@ def test_pulls_are_bounded_to_the_transfers_own_blocks_once_each(held):
     than the transfer has (3 KB asked for 2.2 GB), and one pull per transfer."""
     pair, prompts, params, ref = held
     a, b = xfer(pair, 0), xfer(pair, 1)
-    signer = Signer(pair.prod.secret)
     peer = Peer(pair.prod.port)
     try:
+        peer.open(pair.pre, pair.prod.secret)
         bad = {
             "repeated ids": a["remote_block_ids"][:1] * 200,
             "another request's blocks": b["remote_block_ids"],
@@ -179,29 +159,28 @@ def test_pulls_are_bounded_to_the_transfers_own_blocks_once_each(held):
             "huge": [2**63],
         }
         for name, blocks in bad.items():
-            replies = pull_replies(pair, peer, signer, a["transfer_id"], blocks)
+            replies = pull_replies(pair, peer, a["transfer_id"], blocks)
             assert [r["kind"] for r in replies] == [b"ERR"], name
             assert replies[0]["bytes"] == 0
             assert str(b["remote_block_ids"]) not in replies[0]["error"]
-        unknown = pull_replies(pair, peer, signer, "ab" * 16, a["remote_block_ids"])
+        unknown = pull_replies(pair, peer, "ab" * 16, a["remote_block_ids"])
         assert "unknown transfer" in unknown[0]["error"]
         for bad_tid in (0, "0", "AB" * 16, ["x"], None):
-            peer.sock.send_multipart(signer.pack(b"PULL", {"transfer_id": bad_tid,
-                                                           "block_ids": [0]}))
+            peer.send(b"PULL", {"transfer_id": bad_tid, "block_ids": [0]})
             assert peer.replies(pair.pre, 0.05) == []
         # Signed, but not a header: garbage, a list, nesting deeper than any decoder's stack.
         for body in (b"\xc1\xff", msgpack.packb([1, 2]), b"\x91" * 100_000 + b"\x00"):
-            peer.sock.send_multipart(signer.sign(b"PULL", body))
+            peer.send_raw(peer.session.sign(b"PULL", body))
             assert peer.replies(pair.pre, 0.05) == []
         assert pair.prod.transfer_stats["rejected"] == 8
         assert pair.prod.transfer_stats["transfers"] == 0
 
         # A valid pull is served once; the second one is refused.
-        ok = pull_replies(pair, peer, signer, a["transfer_id"], a["remote_block_ids"])
+        ok = pull_replies(pair, peer, a["transfer_id"], a["remote_block_ids"])
         assert [r["kind"] for r in ok] == [b"KV"]
         n = len(a["remote_block_ids"])
         assert ok[0]["bytes"] == n * pair.prod._block_bytes()
-        again = pull_replies(pair, peer, signer, a["transfer_id"], a["remote_block_ids"])
+        again = pull_replies(pair, peer, a["transfer_id"], a["remote_block_ids"])
         assert [r["kind"] for r in again] == [b"ERR"] and "already" in again[0]["error"]
     finally:
         peer.close()
@@ -209,25 +188,29 @@ def test_pulls_are_bounded_to_the_transfers_own_blocks_once_each(held):
 
 def test_only_the_consumer_that_pulled_can_release_the_transfer(held):
     pair, prompts, params, ref = held
-    signer = Signer(pair.prod.secret)
     thief, other = Peer(pair.prod.port), Peer(pair.prod.port)
     try:
+        for peer in (thief, other):  # both have the secret
+            peer.open(pair.pre, pair.prod.secret)
         # The decode engine pulls request 0 (its PULL goes out in this step) ...
         pair.dec.add_request(prompts[0], params, request_id=0,
                              kv_transfer_params=xfer(pair, 0))
-        pair.dec.step()
         deadline = time.monotonic() + 10
         while "served" not in {ev for _, ev, _, _ in pair.prod.log}:
-            pair.pre.step()  # the producer serves the real pull
+            pair.pre.step()  # the producer opens the session, then serves the real pull
+            links = pair.cons._links.values()
+            if not ("pull" in {ev for _, ev, _, _ in pair.cons.log}
+                    and all(lk.session is not None and not lk.queued for lk in links)):
+                pair.dec.step()  # until its PULL is out (it waits for the session)
             assert time.monotonic() < deadline
         # ... and a third party that knows the transfer id tries to confirm it first.
         tid = xfer(pair, 0)["transfer_id"]
-        other.sock.send_multipart(signer.pack(b"DONE", {"transfer_id": tid}))
+        other.send(b"DONE", {"transfer_id": tid})
         assert other.replies(pair.pre, 0.05) == []
         assert pair.prod.pending_sends == [0, 1]
         assert pair.prod.log[-1][1] == "rejected"
         # A second pull of the served transfer is refused, whoever sends it.
-        got = pull_replies(pair, thief, signer, tid, xfer(pair, 0)["remote_block_ids"])
+        got = pull_replies(pair, thief, tid, xfer(pair, 0)["remote_block_ids"])
         assert [r["kind"] for r in got] == [b"ERR"]
     finally:
         thief.close()
@@ -239,33 +222,6 @@ def test_only_the_consumer_that_pulled_can_release_the_transfer(held):
 
 
 # ---- the decode side against a fake producer --------------------------------------------------
-class FakeProducer:
-    """A ROUTER socket where the decode engine's kv_transfer_params point; answers each PULL with
-    the frames a test gives it."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-
-    def answer(self, engine: LLMEngine, frames_for) -> list[bytes]:
-        """Step ``engine`` until a PULL arrives; reply with ``frames_for(header)``."""
-        for _ in range(200):
-            engine.step()
-            if self.sock.poll(5):
-                ident, *msg = self.sock.recv_multipart()
-                if msg[0] == b"PULL":
-                    hdr = msgpack.unpackb(msg[1])
-                    for frames in frames_for(hdr):
-                        self.sock.send_multipart([ident, *frames])
-                    return msg
-        raise AssertionError("no PULL came")
-
-    def close(self) -> None:
-        self.ctx.destroy(linger=0)
-
-
 def fake_params(port: int, prompt, first_token: int) -> dict:
     n = -(-len(prompt) // TINY["block_size"])
     return {"do_remote_prefill": True, "remote_block_ids": list(range(n)),
@@ -274,19 +230,21 @@ def fake_params(port: int, prompt, first_token: int) -> dict:
 
 
 def decode_against(tiny, frames_for, secret=b"s" * 32, timeout_s=0.5):
-    """A decode engine pulling request 9 from a fake producer that answers with
-    ``frames_for(header)``, beside an ordinary local request 4; returns (engine, consumer, the
-    PULL's frames)."""
+    """A decode engine pulling request 9 from a fake producer (it has the secret) that answers
+    the PULL with ``frames_for(header, session)``, beside an ordinary local request 4; returns
+    (engine, consumer, the PULL's header)."""
     path, prompts, params, ref = tiny
     dec = LLMEngine(EngineConfig(**TINY), model_path=path)
     cons = LoopbackConsumer(secret=secret, recv_timeout_s=timeout_s)
     dec.set_kv_connector(cons)
-    fake = FakeProducer()
+    fake = FakeProducer(secret)
     try:
         dec.add_request(prompts[1], params, request_id=4)
         dec.add_request(prompts[0], params, request_id=9,
                         kv_transfer_params=fake_params(fake.port, prompts[0], ref[0][0]))
-        pull = fake.answer(dec, frames_for)
+        ident, _, pull, _ = fake.next_message(dec, {b"PULL": 0})
+        for frames in frames_for(pull, fake.sessions[ident]):
+            fake.send(ident, frames)
         deadline = time.monotonic() + 30
         while dec.has_unfinished():
             dec.step()
@@ -304,29 +262,40 @@ def kv_reply(signer: Signer, tid: str, shape, dtype: str, data: bytes) -> list[l
 
 
 def test_the_pull_is_authenticated_and_names_only_the_transfer(tiny):
-    secret = b"k" * 32
-    _, _, pull = decode_against(tiny, lambda hdr: [], secret=secret, timeout_s=0.2)
-    kind, hdr, _ = Signer(secret).unpack(pull, {b"PULL": 0})
+    # (next_message() checked it in the session.)
+    _, _, hdr = decode_against(tiny, lambda hdr, s: [], secret=b"k" * 32, timeout_s=0.2)
     assert set(hdr) == {"transfer_id", "block_ids"} and hdr["transfer_id"] == "cd" * 16
 
 
-@pytest.mark.parametrize("case", ["unsigned", "wrong secret", "garbage", "other transfer",
-                                  "one frame", "numeric transfer id"])
+@pytest.mark.parametrize("case", ["unsigned", "wrong secret", "secret without session",
+                                  "replayed", "garbage", "other transfer", "one frame",
+                                  "numeric transfer id"])
 def test_replies_that_fail_authentication_are_dropped_and_the_request_times_out(tiny, case):
     secret = b"s" * 32
-    good, wrong = Signer(secret), Signer(b"w" * 32)
+    master, wrong = Signer(secret), Signer(b"w" * 32)
+
+    def err(s, tid):
+        return [*s.pack(b"ERR", {"transfer_id": tid, "error": "x"})]
+
+    def replayed(h, s):
+        once = err(s, "ef" * 16)  # authenticated, for no transfer: dropped ...
+        return [once, once]  # ... and then the same frames again
+
     frames = {
-        "unsigned": lambda h: [[b"KV", msgpack.packb(h), b"\0" * 32, b"x"]],
-        "wrong secret": lambda h: [[*wrong.pack(b"ERR", {"transfer_id": h["transfer_id"],
-                                                         "error": "x"})]],
-        "garbage": lambda h: [[b"\xff" * 7, b"\x00"]],
-        "other transfer": lambda h: [[*good.pack(b"ERR", {"transfer_id": "ef" * 16,
-                                                          "error": "x"})]],
-        "one frame": lambda h: [[b"KV"]],
-        "numeric transfer id": lambda h: [[*good.pack(b"ERR", {"transfer_id": 7, "error": "x"})]],
+        "unsigned": lambda h, s: [[b"KV", msgpack.packb(h), b"\0" * 40, b"x"]],
+        "wrong secret": lambda h, s: [err(wrong, h["transfer_id"])],
+        "secret without session": lambda h, s: [err(master, h["transfer_id"])],
+        "replayed": replayed,
+        "garbage": lambda h, s: [[b"\xff" * 7, b"\x00"]],
+        "other transfer": lambda h, s: [err(s, "ef" * 16)],
+        "one frame": lambda h, s: [[b"KV"]],
+        "numeric transfer id": lambda h, s: [[*s.pack(b"ERR", {"transfer_id": 7, "error": "x"})]],
     }[case]
     dec, cons, _ = decode_against(tiny, frames, secret=secret, timeout_s=0.3)
     assert cons.transfer_stats["rejected"] >= 1
+    if case == "replayed":
+        whys = [d for _, ev, _, d in cons.log if ev == "rejected"]
+        assert len(whys) == 2 and "replayed" in whys[1]
     comp = dec.completion(9)
     assert comp.token_ids == [] and comp.finish_reason.startswith("kv transfer failed: no KV")
 
@@ -335,14 +304,13 @@ def test_replies_that_fail_authentication_are_dropped_and_the_request_times_out(
                                   "long data", "float64", "no shape"])
 def test_authenticated_but_wrong_kv_fails_only_its_request(tiny, case):
     secret = b"s" * 32
-    s = Signer(secret)
     dec0 = LLMEngine(EngineConfig(**TINY), model_path=tiny[0])
     layout = [len(dec0.cache.k), 2]
     block = list(dec0.cache.block_shape)
     block_bytes = 4 * int(torch.tensor(layout + block).prod())
     del dec0
 
-    def frames(h):
+    def frames(h, s):
         n = len(h["block_ids"])
         shape, tid = layout[:2] + [n] + block, h["transfer_id"]
         return {
@@ -397,3 +365,116 @@ def test_the_secret_is_required_and_checked():
     for bad in (b"short", "a string secret of 32 characters", None):
         with pytest.raises(ValueError, match="secret"):
             LoopbackConsumer(secret=bad)
+
+
+# ---- replays, relays and floods (issue 28) ----------------------------------------------------
+def test_a_listener_relaying_the_decode_engines_frames_gets_no_kv(held):
+    """Hostile kv_transfer_params name a real transfer but a stranger's port; the stranger relays
+    everything the decode engine sends to the real producer and everything back. Before sessions
+    the decode engine's signed PULL, replayed, got the transfer's KV; now the producer refuses
+    the OPEN (it names the stranger's endpoint), and nothing is served."""
+    pair, prompts, params, ref = held
+    relay = Relay(pair.prod.port)
+    pair.cons.recv_timeout_s = 0.5  # the hostile request then fails soon
+    try:
+        hostile = dict(xfer(pair, 0), remote_port=relay.port)
+        pair.dec.add_request(prompts[0], params, request_id=100, kv_transfer_params=hostile)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            pair.dec.step()
+            relay.pump()
+            pair.pre.step()
+            relay.pump()
+        assert relay.caught, "the decode engine never spoke to the relay"
+        assert relay.answers == []  # the producer said nothing: no SESSION, no KV
+        assert pair.prod.transfer_stats["transfers"] == 0 and pair.prod.pending_sends == [0, 1]
+        whys = [d for _, ev, _, d in pair.prod.log if ev == "rejected"]
+        assert whys and "another endpoint" in whys[0]
+    finally:
+        relay.close()
+    finish(pair, [0, 1], prompts, params, ref)
+    assert pair.dec.completion(100).finish_reason.startswith("kv transfer failed")
+
+
+def test_frames_caught_from_a_session_are_useless_replayed(held):
+    """A peer with the secret opens a session and pulls; a stranger who caught every frame
+    replays them on its own connection (the OPEN gets a fresh session, the PULL fails in it) and
+    on the same one (refused as a replay): no KV either way."""
+    pair, prompts, params, ref = held
+    x = xfer(pair, 0)
+    honest, stranger = Peer(pair.prod.port), Peer(pair.prod.port)
+    try:
+        honest.open(pair.pre, pair.prod.secret)
+        bad = pull_replies(pair, honest, x["transfer_id"], [10_000])  # refused, but authentic
+        assert [r["kind"] for r in bad] == [b"ERR"]
+        before = pair.prod.transfer_stats["rejected"]
+        for frames in honest.sent:
+            stranger.send_raw(frames)
+        got = stranger.replies(pair.pre)
+        assert [m[0] for m in got] == [b"SESSION"]  # a session whose key it cannot derive
+        honest.send_raw(honest.sent[-1])
+        assert honest.replies(pair.pre, 0.1) == []
+        assert pair.prod.transfer_stats["rejected"] == before + 2
+        whys = [d for _, ev, _, d in pair.prod.log if ev == "rejected"][-2:]
+        assert "another session" in whys[0] and "replayed" in whys[1]
+        assert pair.prod.transfer_stats["transfers"] == 0
+    finally:
+        honest.close()
+        stranger.close()
+    finish(pair, [0, 1], prompts, params, ref)
+
+
+def test_a_flood_of_bad_frames_costs_each_poll_a_bounded_amount(held, caplog):
+    """20,000 frames without a session: one poll() reads at most MAX_FRAMES_PER_POLL of them,
+    the log gets one warning, and an honest transfer completes while the flood goes on."""
+    pair, prompts, params, ref = held
+    flooder = Peer(pair.prod.port)
+    try:
+        for _ in range(20_000):
+            flooder.sock.send_multipart([b"PULL", b"\x80", b"x" * 40])
+        time.sleep(0.5)  # let them arrive
+        caplog.set_level("WARNING", logger="atom_sched.connectors")
+        t0 = time.perf_counter()
+        pair.prod.poll(0)
+        one_poll = time.perf_counter() - t0
+        assert pair.prod.transfer_stats["rejected"] == MAX_FRAMES_PER_POLL
+        assert one_poll < 1.0
+        for _ in range(50):
+            pair.prod.poll(0)
+        assert pair.prod.transfer_stats["rejected"] == 51 * MAX_FRAMES_PER_POLL
+        assert len([r for r in caplog.records if "rejected" in r.getMessage()]) == 1
+        for _ in range(20_000):  # still flooding while the honest transfers run
+            flooder.sock.send_multipart([b"PULL", b"\x80", b"x" * 40])
+        finish(pair, [0, 1], prompts, params, ref)
+    finally:
+        flooder.close()
+
+
+def test_the_consumer_keeps_sockets_only_for_producers_it_still_needs(tiny):
+    """Requests naming 100 different ports (nobody listens there): at most MAX_PRODUCERS
+    producers at once (a request naming one more is refused at add_request), and once the
+    requests have failed no socket stays open."""
+    path, prompts, params, ref = tiny
+    dec = LLMEngine(EngineConfig(**TINY), model_path=path)
+    cons = LoopbackConsumer(secret=b"s" * 32, recv_timeout_s=0.2, link_idle_s=0.0)
+    dec.set_kv_connector(cons)
+    try:
+        refused = 0
+        for i in range(100):
+            try:
+                dec.add_request(prompts[0], params, request_id=i,
+                                kv_transfer_params=fake_params(20_000 + i, prompts[0], 3))
+            except ValueError as e:
+                assert "producers" in str(e)
+                refused += 1
+        assert refused == 100 - MAX_PRODUCERS
+        assert cons.num_sockets == MAX_PRODUCERS
+        deadline = time.monotonic() + 60
+        while dec.has_unfinished():
+            dec.step()
+            assert time.monotonic() < deadline
+        dec.step()
+        assert cons.num_sockets == 0
+        assert dec.scheduler.num_free_blocks == dec.scheduler.num_usable_blocks
+    finally:
+        cons.close()

@@ -1,7 +1,8 @@
 """The NIXL connector against misuse and hostile peers.
 
 The producer hands its NIXL agent metadata (which lets a peer READ its KV cache) only to a
-consumer that says HELLO with the pair's secret; it frees a transfer's blocks only on a
+consumer that says HELLO, naming a transfer it holds, in a session opened with the pair's secret
+(a replayed or relayed HELLO gets nothing); it frees a transfer's blocks only on a
 notification from such an agent naming a live transfer. The consumer checks the producer's
 META (layout, sizes, addresses) before NIXL sees it, and a producer that dies or lies fails only
 the request, with its reason, never hangs the engine.
@@ -20,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 zmq = pytest.importorskip("zmq")
 import msgpack  # noqa: E402
 from support.disagg import TINY, Pair, tiny_case  # noqa: E402
+from support.side_channel import FakeProducer, Peer, Relay  # noqa: E402
 
 from atom_sched.connectors import NixlConsumer, NixlProducer, nixl_available  # noqa: E402
 from atom_sched.connectors.control import Signer  # noqa: E402
@@ -51,24 +53,6 @@ def xfer(pair, rid):
     return pair.prefilled[rid].kv_transfer_params
 
 
-def dealer(port):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    return ctx, sock
-
-
-def replies(engine, sock, timeout_s=0.3):
-    got = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        engine.step()
-        while sock.poll(10):
-            got.append(sock.recv_multipart())
-    return got
-
-
 def finish(pair, prompts, params, ref):
     pair.dec.add_request(prompts[0], params, request_id=0, kv_transfer_params=xfer(pair, 0))
     pair.run()
@@ -79,26 +63,70 @@ def finish(pair, prompts, params, ref):
 
 def test_metadata_only_for_the_secret(held):
     pair, prompts, params, ref = held
-    ctx, sock = dealer(pair.prod.port)
+    tid = xfer(pair, 0)["transfer_id"]
+    peer = Peer(pair.prod.port)
     try:
-        for signer in (Signer(b"w" * 32), None):
-            hello = {"agent_name": "thief"}
-            frames = (signer.pack(b"HELLO", hello) if signer
-                      else [b"HELLO", msgpack.packb(hello), b"\0" * 32])
-            sock.send_multipart(frames)
-            assert replies(pair.pre, sock, 0.1) == []
-        good = Signer(pair.prod.secret)
-        for bad_name in ("", "x" * 200, "a b", 7, None):  # authenticated, malformed
-            sock.send_multipart(good.pack(b"HELLO", {"agent_name": bad_name}))
-            assert replies(pair.pre, sock, 0.05) == []
-        assert pair.prod.transfer_stats["rejected"] == 7
-        sock.send_multipart(good.pack(b"HELLO", {"agent_name": "decode-x"}))
-        (meta,) = replies(pair.pre, sock, 0.2)
-        kind, hdr, _ = good.unpack(meta, {b"META": 0})
+        hello = {"agent_name": "thief", "transfer_id": tid}
+        # Another secret, no MAC, and the right secret without a session (the old protocol).
+        for frames in (Signer(b"w" * 32).pack(b"HELLO", hello),
+                       [b"HELLO", msgpack.packb(hello), b"\0" * 32],
+                       Signer(pair.prod.secret).pack(b"HELLO", hello)):
+            peer.send_raw(frames)
+            assert peer.replies(pair.pre, 0.1) == []
+        peer.open(pair.pre, pair.prod.secret)
+        for bad in ({"agent_name": ""}, {"agent_name": "x" * 200}, {"agent_name": "a b"},
+                    {"agent_name": 7}, {"agent_name": None}, {"transfer_id": "ab" * 16},
+                    {"transfer_id": None}):  # authenticated, malformed or for no transfer
+            peer.send(b"HELLO", dict(hello, **bad))
+            assert peer.replies(pair.pre, 0.05) == []
+        assert pair.prod.transfer_stats["rejected"] == 10
+        peer.send(b"HELLO", {"agent_name": "decode-x", "transfer_id": tid})
+        (meta,) = peer.replies(pair.pre, 0.2)
+        kind, hdr, _ = peer.session.unpack(meta, {b"META": 0})
         assert isinstance(hdr["metadata"], bytes) and hdr["layout"]["regions"] == 4
     finally:
-        ctx.destroy(linger=0)
+        peer.close()
     finish(pair, prompts, params, ref)
+
+
+def test_a_relayed_or_replayed_hello_gets_no_metadata(held):
+    """Hostile kv_transfer_params name a live transfer and a stranger's port; the stranger
+    relays the decode engine's frames to the producer (before sessions its HELLO, replayed, got
+    META: the key to READ every block). Then frames caught from a real session, replayed on a
+    new connection and on the same one: still no META."""
+    pair, prompts, params, ref = held
+    relay = Relay(pair.prod.port)
+    pair.cons.recv_timeout_s = 0.5
+    try:
+        hostile = dict(xfer(pair, 0), remote_port=relay.port)
+        pair.dec.add_request(prompts[0], params, request_id=100, kv_transfer_params=hostile)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            pair.dec.step()
+            relay.pump()
+            pair.pre.step()
+            relay.pump()
+        assert relay.caught and relay.answers == []
+        assert pair.prod._peers == set()
+    finally:
+        relay.close()
+    honest, stranger = Peer(pair.prod.port), Peer(pair.prod.port)
+    try:
+        honest.open(pair.pre, pair.prod.secret)
+        honest.send(b"HELLO", {"agent_name": "decode-x", "transfer_id": "ab" * 16})
+        assert honest.replies(pair.pre, 0.1) == []  # authentic, but for no transfer
+        for frames in honest.sent:
+            stranger.send_raw(frames)
+        assert [m[0] for m in stranger.replies(pair.pre)] == [b"SESSION"]
+        honest.send_raw(honest.sent[-1])
+        assert honest.replies(pair.pre, 0.1) == []
+        whys = [d for _, ev, _, d in pair.prod.log if ev == "rejected"][-2:]
+        assert "another session" in whys[0] and "replayed" in whys[1]
+    finally:
+        honest.close()
+        stranger.close()
+    finish(pair, prompts, params, ref)
+    assert pair.dec.completion(100).finish_reason.startswith("kv transfer failed")
 
 
 def test_notifications_from_strangers_or_for_unknown_transfers_free_nothing(held):
@@ -118,12 +146,13 @@ def test_notifications_from_strangers_or_for_unknown_transfers_free_nothing(held
     assert pair.prod.pending_sends == [0]
     assert pair.prod.log[-1][1:3] == ("rejected", -1)
     # Now HELLO'd, it names garbage and an unknown transfer.
-    ctx, sock = dealer(pair.prod.port)
+    peer = Peer(pair.prod.port)
     try:
-        sock.send_multipart(Signer(pair.prod.secret).pack(b"HELLO", {"agent_name": "stranger"}))
-        assert len(replies(pair.pre, sock, 0.2)) == 1
+        peer.open(pair.pre, pair.prod.secret)
+        peer.send(b"HELLO", {"agent_name": "stranger", "transfer_id": xfer(pair, 0)["transfer_id"]})
+        assert len(peer.replies(pair.pre, 0.2)) == 1
     finally:
-        ctx.destroy(linger=0)
+        peer.close()
     before = pair.prod.transfer_stats["rejected"]
     for msg in (b"\xff" * 40, b"ab" * 16, b"x" * 10_000):
         stranger.send_notif(name, msg)
@@ -134,20 +163,6 @@ def test_notifications_from_strangers_or_for_unknown_transfers_free_nothing(held
         assert time.monotonic() < deadline
     assert pair.prod.pending_sends == [0]
     finish(pair, prompts, params, ref)
-
-
-class FakeProducer:
-    """A side channel that answers HELLO with the META a test gives it."""
-
-    def __init__(self, secret: bytes) -> None:
-        self.signer = Signer(secret)
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-
-    def close(self) -> None:
-        self.ctx.destroy(linger=0)
 
 
 def decode_against_fake(tiny, meta_for, timeout_s=0.5):
@@ -166,11 +181,10 @@ def decode_against_fake(tiny, meta_for, timeout_s=0.5):
              "first_token_id": ref[0][0], "num_prompt_tokens": len(prompts[0])}
         dec.add_request(prompts[1], params, request_id=4)
         dec.add_request(prompts[0], params, request_id=9, kv_transfer_params=x)
-        assert fake.sock.poll(5000)
-        ident, *hello = fake.sock.recv_multipart()
-        fake.signer.unpack(hello, {b"HELLO": 0})
+        ident, _, hello, _ = fake.next_message(dec, {b"HELLO": 0})
+        assert hello["transfer_id"] == x["transfer_id"]
         layout = cons._agent.layout()
-        fake.sock.send_multipart([ident, *fake.signer.pack(b"META", meta_for(layout))])
+        fake.send(ident, fake.sessions[ident].pack(b"META", meta_for(layout)))
         deadline = time.monotonic() + 30
         while dec.has_unfinished():
             dec.step()
