@@ -48,6 +48,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 __all__ = ["DynamoIndexer", "DynamoIndexerError"]
@@ -70,14 +71,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     # Runs in the child before exec: if the test process dies without close() (SIGKILL, a
     # killed CI job), the kernel sends SIGTERM to the indexer rather than leaving an orphan
     # that keeps a port open on every interface. Linux only; elsewhere close() must run.
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    if os.getppid() != parent:  # the parent died before prctl: no signal will come
+        os._exit(1)
+
+
+# Subprocesses start from this one thread, which lives until the interpreter exits: the kernel's
+# parent-death signal follows the *thread* that forked the child, so a DynamoIndexer made in a
+# short-lived thread (a test's, a request handler's) got SIGTERM the moment that thread ended.
+_spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynamo-indexer-spawner")
+
+
+def _popen(**kwargs: Any) -> subprocess.Popen[bytes]:
+    parent = os.getpid()
+    guard = (lambda: _die_with_parent(parent)) if sys.platform == "linux" else None
+    return _spawner.submit(subprocess.Popen, **kwargs, preexec_fn=guard).result()
 
 
 class DynamoIndexer:
@@ -134,9 +149,9 @@ class DynamoIndexer:
             self.port = _free_port()
             cmd = [sys.executable, "-m", "dynamo.indexer", "--port", str(self.port),
                    "--threads", str(self.threads), *self.extra_args]
-            self._proc = subprocess.Popen(
-                cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            self._proc = _popen(
+                args=cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env)
             deadline = time.monotonic() + self.startup_timeout
             while time.monotonic() < deadline:
                 if self._proc.poll() is not None:

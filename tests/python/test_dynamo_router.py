@@ -293,3 +293,24 @@ def _chain(prompt):
         parent = block_hash(prompt[i * BS:(i + 1) * BS], parent)
         out.append(parent)
     return out
+
+
+def test_an_indexer_started_in_a_thread_outlives_that_thread():
+    """The parent-death signal follows the thread that forked the child: an indexer started in
+    a short-lived thread was killed when that thread ended (issue 28). It now lives until
+    close() or the process's exit."""
+    import threading
+    import time
+
+    made: list[DynamoIndexer] = []
+    t = threading.Thread(target=lambda: made.append(DynamoIndexer(threads=1)))
+    t.start()
+    t.join()
+    (idx,) = made
+    try:
+        time.sleep(1.0)
+        assert idx._proc is not None and idx._proc.poll() is None, idx.log_tail()
+        assert idx._request("GET", "/health", timeout=5.0)[0] == 200
+    finally:
+        idx.close()
+        idx._log.close()

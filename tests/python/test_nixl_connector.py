@@ -273,3 +273,36 @@ def test_a_dead_producer_fails_the_request_instead_of_hanging(tiny):
         assert "NIXL READ" in second.finish_reason
         st = pair.state("decode")
         assert st["num_free_blocks"] == st["num_usable_blocks"] and not st["has_pending"]
+
+
+def test_connectors_collected_unclosed_do_not_hang_the_process(tiny, tmp_path):
+    """Every connector bound to an engine, dropped in a reference cycle without close(), then
+    one left for the interpreter's exit: before, the garbage collector ran the ZMQ context's
+    finalizer while the connector's sockets were still open, and Context.term() blocked the
+    process forever."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "drop.py"
+    script.write_text(f"""
+import gc, sys
+sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+from support.disagg import TINY
+from atom_sched.connectors import LoopbackConsumer, LoopbackProducer, NixlConsumer, NixlProducer
+from atom_sched.engine import EngineConfig, LLMEngine
+for make in (LoopbackProducer, NixlProducer, lambda: LoopbackConsumer(secret=b"s" * 32),
+             lambda: NixlConsumer(secret=b"s" * 32)):
+    engine = LLMEngine(EngineConfig(**TINY), model_path={str(tiny[0])!r})
+    conn = make()
+    engine.set_kv_connector(conn)
+    conn.cycle = conn
+    del conn, engine
+    gc.collect()
+left = NixlProducer()
+LLMEngine(EngineConfig(**TINY), model_path={str(tiny[0])!r}).set_kv_connector(left)
+print("ok", flush=True)
+""")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "ok"
