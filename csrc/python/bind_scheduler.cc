@@ -337,9 +337,6 @@ py::dict request_state(const Request& r) {
 
 }  // namespace
 
-// Defined in bind_config.cc: a cache_salt or lora_name argument, str only, as UTF-8.
-std::string extra_key_text(py::handle value, const char* field);
-
 void bind_scheduler(py::module_& m) {
   m.attr("NULL_BLOCK") = kNullBlock;
   py::class_<RejectedRequest>(m, "RejectedRequest", "A request schedule() can never run.")

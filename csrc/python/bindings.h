@@ -3,7 +3,12 @@
 
 #include <pybind11/pybind11.h>
 
+#include <string>
+
 namespace atom_sched {
+// A cache_salt or lora_name argument: str only, as UTF-8 (bind_config.cc says why).
+std::string extra_key_text(pybind11::handle value, const char* field);
+
 void bind_config(pybind11::module_& m);
 void bind_scheduler(pybind11::module_& m);
 void bind_device(pybind11::module_& m);

@@ -70,10 +70,11 @@ PYBIND11_MODULE(_core, m) {
         "bytes (if given), then each token id as a little-endian int64.");
   m.def(
       "hash_namespace",
-      [](const std::string& lora_name, const std::string& cache_salt) {
-        return atom_sched::hash_namespace(lora_name, cache_salt);
+      [](const py::object& lora_name, const py::object& cache_salt) {
+        return atom_sched::hash_namespace(atom_sched::extra_key_text(lora_name, "lora_name"),
+                                          atom_sched::extra_key_text(cache_salt, "cache_salt"));
       },
-      py::kw_only(), py::arg("lora_name") = "", py::arg("cache_salt") = "",
+      py::kw_only(), py::arg("lora_name") = py::str(""), py::arg("cache_salt") = py::str(""),
       "The parent of block 0's hash for a request with these extra keys (SamplingParams'\n"
       "lora_name and cache_salt), or None for neither: block_hash(block0, hash_namespace(...)).");
   atom_sched::bind_config(m);

@@ -5,7 +5,7 @@ emptied the queue, losing every request's events of that step."""
 import numpy as np
 import pytest
 
-from atom_sched import KVEvent, SamplingParams, Scheduler, SchedulerConfig
+from atom_sched import KVEvent, SamplingParams, Scheduler, SchedulerConfig, hash_namespace
 from atom_sched.kv_events import KVEventPublisher
 
 LOOPBACK = "tcp://127.0.0.1:*"
@@ -22,6 +22,8 @@ def test_extra_keys_must_be_str_at_construction_and_assignment(field, value):
     assert getattr(p, field) == "tenant-a"  # unchanged by the refused assignment
     with pytest.raises(TypeError, match=field):
         KVEvent("BlockStored", [1], None, [1, 2], 2, "GPU", **{field: value})
+    with pytest.raises(TypeError, match=field):
+        hash_namespace(**{field: value})  # the same keys, when a router computes a hash
 
 
 @pytest.mark.parametrize("field", ["cache_salt", "lora_name"])
@@ -31,6 +33,8 @@ def test_text_that_is_not_utf8_encodable_is_refused_by_name(field):
     p = SamplingParams()
     with pytest.raises(ValueError, match=field):
         setattr(p, field, "\udcff")
+    with pytest.raises(ValueError, match=field):
+        hash_namespace(**{field: "\udcff"})
 
 
 def test_text_round_trips_through_assignment_and_pickle():
