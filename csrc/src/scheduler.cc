@@ -101,6 +101,7 @@ Scheduler::Scheduler(SchedulerConfig config)
   running_.reserve(2 * static_cast<size_t>(rows));
   steady_.resize(running_.capacity());
   for (auto& runs : steady_runs_) runs.reserve(rows);
+  for (auto& victims : step_victims_) victims.reserve(rows);  // at most the running set
 }
 
 int32_t Scheduler::new_slot() {
@@ -532,8 +533,13 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
     if (i < partial_.size() && partial_[i] == s) ++i;  // still partial; else it left partial_
   }
 
-  // Phase 2: admit from the head of waiting, in service order, until one does not fit.
+  // Phase 2: admit from the head of waiting, in service order, until one does not fit. Not in a
+  // step that preempted (as vLLM): the pool is short of blocks, and a victim (the head of
+  // waiting under FCFS, possibly the request whose row preempted itself) would be re-admitted to
+  // recompute the KV the step has just freed. Only a mixed step decodes, so preempts, before
+  // it admits; Phase 1 rows hold their blocks already.
   if (config_.scheduler_delay_factor > 0 && !passed_delay(now)) return;
+  if (!step_victims_[next_buffer_].empty()) return;
   const int32_t bs = config_.block_size;
   const bool needs_state = config_.num_state_slots > 0;
   while (waiting_.size > 0 && b.num_rows < max_rows && num_running() < max_rows &&
@@ -765,6 +771,7 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
       bool preempted_self = false;
       while (!pool_.grow(r.block_table, needed)) {
         const int32_t victim = preemption_victim();
+        step_victims_[next_buffer_].push_back(requests_[victim].id);
         preempt(victim);
         if (victim == s) {
           preempted_self = true;
@@ -826,6 +833,7 @@ const Batch* Scheduler::schedule(double now, bool allow_prefill) {
   b.id = 0;  // while it is rebuilt, views of the batch it held raise (a connector may read one)
   begin_batch(b);
   steady_runs_[next_buffer_].clear();
+  step_victims_[next_buffer_].clear();
   int32_t decode_rows = 0;
   if (config_.policy == BatchPolicy::kMixed) {
     // Stall-free: no running request waits for a prefill; prompts take the budget left.

@@ -21,12 +21,24 @@ void Scheduler::check_invariants() const {
   std::vector<int32_t> refs(pool_.num_blocks(), 0);
   std::vector<int32_t> inflight(requests_.size(), 0);
   for (int32_t i = 0; i < num_outstanding_; ++i) {
-    const Batch& b = batches_[(next_buffer_ - num_outstanding_ + i + kMaxOutstandingBatches) %
-                              kMaxOutstandingBatches];
+    const int32_t buffer =
+        (next_buffer_ - num_outstanding_ + i + kMaxOutstandingBatches) % kMaxOutstandingBatches;
+    const Batch& b = batches_[buffer];
+    const std::vector<int64_t>& victims = step_victims_[buffer];
     check(b.num_rows <= config_.max_num_seqs, "batch has more rows than max_num_seqs");
     check(b.num_tokens <= config_.max_num_batched_tokens, "batch exceeds the token budget");
     for (int32_t row = 0; row < b.num_rows; ++row) {
       ++inflight[b.request_index[row]];
+      // A step that preempted schedules none of its victims and admits nothing from waiting (an
+      // admission: a prefill row whose device slot starts afresh).
+      if (!victims.empty()) {
+        const std::string who = "batch " + std::to_string(b.id) + ": request " +
+                                id_str(b.req_ids[row]);
+        check(std::find(victims.begin(), victims.end(), b.req_ids[row]) == victims.end(),
+              who + " is in the batch of the step that preempted it");
+        check(!(b.row_is_prefill[row] && b.slot_reset[row]),
+              who + " is admitted in a step that preempted");
+      }
       // The block-table contract: past the row's blocks, every entry is the null block.
       if (!config_.host_block_tables) continue;
       const int32_t* t = b.block_tables.data() + static_cast<size_t>(row) * table_width_;

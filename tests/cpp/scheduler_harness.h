@@ -186,6 +186,8 @@ class H {
   std::optional<Snap> sched(double now = 0.0, bool allow_prefill = true) {
     std::optional<NextBatchInfo> info;
     if (check_next_info) info = s.next_batch_info(now, allow_prefill);
+    const V64 running_before = s.running_ids();
+    const int64_t preemptions_before = s.stats().num_preemptions;
     const Batch* b = s.schedule(now, allow_prefill);
     Inv("schedule");
     if (b == nullptr) {
@@ -202,7 +204,22 @@ class H {
       EXPECT_EQ(info->num_rows, snap.num_rows) << "next_batch_info vs schedule()";
     }
     CheckBatch(snap);
+    CheckAdmissions(snap, running_before, s.stats().num_preemptions - preemptions_before);
     return snap;
+  }
+
+  // A step that preempted admits no request from waiting (as vLLM): above all, a request is never
+  // preempted and re-admitted in one step (its KV recomputed at once). An admission is a prefill
+  // row whose device slot starts afresh; a request preempted by the step was running before it.
+  void CheckAdmissions(const Snap& b, const V64& running_before, int64_t preemptions) {
+    for (int32_t i = 0; i < b.num_rows; ++i) {
+      if (!b.prefill_rows[i] || !b.slot_reset[i]) continue;
+      EXPECT_EQ(std::count(running_before.begin(), running_before.end(), b.req_ids[i]), 0)
+          << "batch " << b.id << ": request " << b.req_ids[i]
+          << " preempted and re-admitted in one step";
+      EXPECT_EQ(preemptions, 0) << "batch " << b.id << " admits request " << b.req_ids[i]
+                                << " in a step that preempted";
+    }
   }
 
   // sampled: one per row (K = 0) or rows * (K + 1); acc: [rows] or empty; drafts: rows * K.

@@ -410,6 +410,55 @@ TEST(SchedulerTest, MixedBatchDecodesBeforeAdmittingAndPreemptsAsAtom) {
   EXPECT_EQ(h.s.stats().num_preemptions, 1);
 }
 
+// Mixed, K = 2, bs 4, 3 usable blocks. X (3 tokens, max_tokens 2) then A (6 tokens).
+//   step 1: prefill X {1 block}, A {2 blocks}: pool full; X proposes no draft, A two
+//   step 2: X's row [pos 3] needs no block; A's [pos 6 7 8] needs a third: A is the tail, so it
+//           preempts itself (its 2 blocks freed). Its 7 tokens would fit those 2 blocks, and the
+//           prefill pass used to re-admit it at once as a prefill row of 7 tokens (its KV
+//           recomputed for nothing in the step that freed it). A step that preempted admits
+//           nothing (as vLLM): the batch is X alone, A waits.
+//   step 3: X finished (max_tokens): A re-prefills its 7 tokens and streams on
+TEST(SchedulerTest, MixedStepThatPreemptsDoesNotReadmitTheVictim) {
+  SchedulerConfig c = SpecCfg(3, 2);
+  c.enable_prefix_caching = false;
+  c.policy = BatchPolicy::kMixed;
+  H h(c);
+  h.add(1, Seq(100, 3), P(2));
+  h.add(2, Seq(200, 6));
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  EXPECT_EQ(s1->req_ids, (V64{1, 2}));
+  EXPECT_EQ(s1->nsched, (V{3, 6}));
+  EXPECT_EQ(h.s.block_pool().num_free_blocks(), 0);
+  h.upd(*s1, {110, 0, 0, 210, 0, 0}, {1, 1}, {-1, -1, 211, 212});
+
+  auto s2 = h.sched();
+  ASSERT_TRUE(s2);
+  EXPECT_EQ(h.s.stats().num_preemptions, 1);
+  EXPECT_EQ(s2->req_ids, V64{1}) << "the victim is in the batch of the step that preempted it";
+  EXPECT_EQ(s2->prefill_rows, std::vector<uint8_t>{0});
+  EXPECT_EQ(s2->positions, V64{3});
+  EXPECT_EQ(h.s.waiting_ids(), V64{2});
+  EXPECT_EQ(h.s.request(2).status, RequestStatus::kWaiting);
+  EXPECT_TRUE(h.s.request(2).block_table.empty()) << "re-admitted in the step that preempted it";
+  EXPECT_EQ(h.s.block_pool().num_free_blocks(), 2);
+  const Outs o2 = h.upd(*s2, {111, 0, 0}, {1}, {-1, -1});
+  EXPECT_EQ(o2.tokens(1), V{111});
+  EXPECT_FALSE(o2.has(2));
+
+  auto s3 = h.sched();
+  ASSERT_TRUE(s3);
+  EXPECT_TRUE(s3->is_prefill);
+  EXPECT_EQ(s3->req_ids, V64{2});
+  EXPECT_EQ(s3->nsched, V{7});
+  EXPECT_EQ(s3->tokens, Cat(Seq(200, 6), {210}));
+  EXPECT_EQ(s3->slot_reset, std::vector<uint8_t>{1});
+  const Outs o3 = h.upd(*s3, {213, 0, 0}, {1}, {-1, -1});
+  EXPECT_EQ(o3.tokens(2), V{213});
+  EXPECT_EQ(h.s.request(2).tokens, Cat(Seq(200, 6), {210, 213}));
+  EXPECT_EQ(h.s.stats().num_preemptions, 1);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Variable-length drafts
 // ---------------------------------------------------------------------------------------------

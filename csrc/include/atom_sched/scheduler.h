@@ -488,6 +488,10 @@ class Scheduler {
   int32_t running_holes_ = 0;      // kRunningHole entries in running_ (never its last)
   SteadyRows steady_;              // [position in running_], capacity running_.capacity()
   std::array<std::vector<SteadyRun>, kMaxOutstandingBatches> steady_runs_;  // [batch buffer]
+  // The ids of the requests preempted while the batch in each buffer was built, in preemption
+  // order: a step that preempted admits nothing from waiting (schedule_prefills()), and
+  // check_invariants() checks that and that no batch holds a request its step preempted.
+  std::array<std::vector<int64_t>, kMaxOutstandingBatches> step_victims_;  // [batch buffer]
   List remote_waiting_;  // kWaitingForRemoteKv requests, in arrival order
 
   BatchBuffers batches_;
