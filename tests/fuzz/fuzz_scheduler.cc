@@ -93,6 +93,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   cfg.eos_token_id = 2;
   cfg.num_state_slots = in.below(3);
   cfg.scheduling = in.next() & 1 ? SchedulingPolicy::kPriority : SchedulingPolicy::kFcfs;
+  cfg.policy = in.below(3) == 0 ? BatchPolicy::kMixed : BatchPolicy::kAtom;
   if (cfg.enable_chunked_prefill && in.below(3) == 0)
     cfg.long_prefill_token_threshold = 1 + in.below(16);
   cfg.host_block_tables = in.below(4) != 0;
