@@ -500,6 +500,9 @@ class ConsumerBase(ConnectorBase):
                     and now - rec.sent_at > self.recv_timeout_s and self._cancel(rec)):
                 self._fail(rid, f"no KV from {rec.endpoint} in {self.recv_timeout_s:g} s",
                            failed)
+                # The session may be dead (a producer restarted on its port knows none): the
+                # next request opens a new one.
+                self._drop_link(rec.endpoint)
         for rid, why in failed.items():
             self.transfer_stats["failed"] += 1
             self._log("failed", rid, why)
@@ -532,10 +535,14 @@ class ConsumerBase(ConnectorBase):
             elif link.idle_since is None and idle_s > 0:
                 link.idle_since = now
             elif link.idle_since is None or now - link.idle_since >= idle_s:
-                del self._links[endpoint]
-                # A moment for a DONE just sent to leave; close() later drops it regardless.
-                self._close_socket(link.sock, linger_ms=100)
-                self._link_closed(endpoint)
+                self._drop_link(endpoint)
+
+    def _drop_link(self, endpoint: tuple[str, int]) -> None:
+        link = self._links.pop(endpoint, None)
+        if link is not None:
+            # A moment for a DONE just sent to leave; close() later drops it regardless.
+            self._close_socket(link.sock, linger_ms=100)
+            self._link_closed(endpoint)
 
     def _link_closed(self, endpoint: tuple[str, int]) -> None:
         """The transport forgets what it kept for that connection."""

@@ -359,6 +359,7 @@ class NixlConsumer(ConsumerBase):
                 pass
         logger.warning("%s: %s", self.engine_id, why)
         self._fail(rid, why, failed)
+        self._drop_link(rec.endpoint)  # and its session: a restarted producer knows none
 
     def _release_handle(self, rec: Recv) -> bool:
         """Release a transfer handle exactly once (NIXL crashes on a released one)."""

@@ -22,7 +22,7 @@ import msgpack  # noqa: E402
 from support.disagg import TINY, Pair, tiny_case  # noqa: E402
 from support.side_channel import FakeProducer, Peer, Relay  # noqa: E402
 
-from atom_sched.connectors import LoopbackConsumer  # noqa: E402
+from atom_sched.connectors import LoopbackConsumer, LoopbackProducer  # noqa: E402
 from atom_sched.connectors.base import MAX_FRAMES_PER_POLL, MAX_PRODUCERS  # noqa: E402
 from atom_sched.connectors.control import MAX_HEADER_BYTES, Signer  # noqa: E402
 from atom_sched.engine import EngineConfig, LLMEngine  # noqa: E402
@@ -478,3 +478,30 @@ def test_the_consumer_keeps_sockets_only_for_producers_it_still_needs(tiny):
         assert dec.scheduler.num_free_blocks == dec.scheduler.num_usable_blocks
     finally:
         cons.close()
+
+
+def test_a_producer_restarted_on_its_port_serves_again(tiny):
+    """The consumer's session is with the producer that answered its OPEN; one restarted on the
+    same port knows none, so the next pull in the old session times out, the link is dropped,
+    and the request after it opens a new session and gets its KV."""
+    path, prompts, params, ref = tiny
+    pair = Pair(path)
+    try:
+        pair.prefill_only([0], prompts, params)
+        finish(pair, [0], prompts, params, ref)
+        port, secret = pair.prod.port, pair.prod.secret
+        pair.prod.close()
+        pair.prod = LoopbackProducer(port=port, secret=secret)
+        pair.pre.set_kv_connector(pair.prod)
+        pair.cons.recv_timeout_s = 0.5
+        pair.prefill_only([1, 2], prompts, params)
+        pair.dec.add_request(prompts[1], params, request_id=1, kv_transfer_params=xfer(pair, 1))
+        deadline = time.monotonic() + 30
+        while pair.dec.has_unfinished():
+            pair.step()
+            assert time.monotonic() < deadline
+        assert pair.dec.completion(1).finish_reason.startswith("kv transfer failed: no KV")
+        pair.prod.release(xfer(pair, 1)["transfer_id"])
+        finish(pair, [2], prompts, params, ref)
+    finally:
+        pair.close()
