@@ -1,6 +1,11 @@
 """What a simulation reports: a table per run (throughput, TTFT and inter-token latency
-percentiles, preemptions, prefix hit rate), per-priority TTFT, a JSON file and a PNG of the
-latency distributions."""
+percentiles, preemptions, the recompute tax, prefix hit rate), per-priority TTFT, a JSON file and
+a PNG of the latency distributions.
+
+The recompute tax (docs/perf.md, "Serving simulator"): the tokens the engine computes again
+because a preemption dropped their KV (what the prefix cache gives back at re-admission is not
+computed, so not counted), as a share of every token computed; JSON ``recompute`` holds the
+tokens, the share, the KV positions preemptions dropped and the re-admissions."""
 
 from __future__ import annotations
 
@@ -29,7 +34,11 @@ def summary(r: SimResult) -> dict[str, Any]:
         "throughput_req_s": r.request_throughput,
         "ttft_s": dict(zip(("p50", "p90", "p99"), ttft, strict=True)),
         "itl_s": dict(zip(("p50", "p90", "p99"), itl, strict=True)),
-        "preemptions": int(r.stats["num_preemptions"]), "prefix_hit_rate": r.prefix_hit_rate,
+        "preemptions": int(r.stats["num_preemptions"]),
+        "computed_tokens": r.computed_tokens,
+        "recompute": {"tokens": r.recomputed_tokens, "share": r.recompute_tax,
+                      "preempted_tokens": r.preempted_tokens, "readmissions": r.readmissions},
+        "prefix_hit_rate": r.prefix_hit_rate,
         "config": r.config,
     }
     classes = sorted({q.priority for q in r.requests})
@@ -46,7 +55,7 @@ def _ms(x: float | None) -> str:
 
 def format_table(results: list[SimResult]) -> str:
     head = ["run", "conv/s", "tok/s", "req/s", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms",
-            "preempt", "hit rate"]
+            "preempt", "recompute tax", "hit rate"]
     rows = []
     for r in results:
         s = summary(r)
@@ -56,7 +65,8 @@ def format_table(results: list[SimResult]) -> str:
                      f"{s['throughput_req_s']:.2f}",
                      "/".join(_ms(t[k]) for k in ("p50", "p90", "p99")),
                      "/".join(_ms(i[k]) for k in ("p50", "p90", "p99")),
-                     str(s["preemptions"]), f"{100 * s['prefix_hit_rate']:.1f}%"])
+                     str(s["preemptions"]), f"{100 * r.recompute_tax:.2f}%",
+                     f"{100 * s['prefix_hit_rate']:.1f}%"])
     widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
     line = " | ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))
     out = [line, "-+-".join("-" * w for w in widths)]

@@ -5,6 +5,13 @@ Conversations arrive as a Poisson process; each turn is a request whose follow-u
 advances by the step-time model, and every row that emits gets the next token of its scripted
 reply (the model "generates" the dataset's own reply, so a follow-up turn resends exactly the
 conversation so far). The synchronous protocol, K = 0.
+
+The recompute tax is read off the batches the scheduler builds, not from a formula: each request's
+high-water mark is the end of the furthest position any of its rows has computed, and a row's
+positions below that mark are computed again. With K = 0 only a re-admission after a preemption
+schedules such positions (its re-prefill starts at the prefix-cache hits of that admission, so what
+the cache gives back is never counted). A row whose slot starts afresh (``slot_reset``) for a
+request seen before is a re-admission.
 """
 
 from __future__ import annotations
@@ -60,6 +67,15 @@ class SimResult:
     steps: int
     stats: dict[str, Any]
     rate: float  # conversations per second offered (inf: all at once)
+    computed_tokens: int = 0  # every row's scheduled tokens, all steps (the forward work)
+    recomputed_tokens: int = 0  # of those, positions the request had computed before
+    preempted_tokens: int = 0  # KV positions computed and then dropped by preemptions
+    readmissions: int = 0  # admissions of a request that had been admitted before
+
+    @property
+    def recompute_tax(self) -> float:
+        """Recomputed tokens as a share of all tokens computed."""
+        return self.recomputed_tokens / self.computed_tokens if self.computed_tokens else 0.0
 
     def ttft(self, priority: int | None = None) -> np.ndarray:
         return np.array([r.first_token - r.arrival for r in self.requests
@@ -111,6 +127,14 @@ def simulate(conversations: list[Conversation], config: SchedulerConfig, *, rate
     clock = 0.0
     steps = 0
     sampled = np.zeros(config.max_num_seqs, np.int32)
+    # Per request id (ids are 0, 1, ... in arrival order, one per turn): the end of the furthest
+    # position computed (high-water mark), the end of the current admission's last row, and
+    # whether it has been admitted (a row scheduled) before.
+    num_turns = sum(len(c.turns) for c in conversations)
+    high = np.zeros(num_turns, np.int64)
+    extent = np.zeros(num_turns, np.int64)
+    admitted = np.zeros(num_turns, bool)
+    computed = recomputed = preempted = readmissions = 0
     while arrivals or live:
         while arrivals and arrivals[0][0] <= clock:
             t, _, c, k = heapq.heappop(arrivals)
@@ -133,6 +157,19 @@ def simulate(conversations: list[Conversation], config: SchedulerConfig, *, rate
         clock += model(int(batch.num_tokens), int(np.asarray(batch.context_lens).sum()))
         steps += 1
         rows = int(batch.num_rows)
+        ids = np.asarray(batch.req_ids)
+        first = np.asarray(batch.num_cached_tokens, np.int64)  # each row's first position
+        end = first + np.asarray(batch.num_scheduled_tokens)
+        again = np.asarray(batch.slot_reset, bool) & admitted[ids]  # re-admissions
+        if again.any():
+            readmissions += int(again.sum())
+            preempted += int(extent[ids[again]].sum())
+        mark = high[ids]
+        recomputed += int(np.clip(np.minimum(mark, end) - first, 0, None).sum())
+        computed += int(batch.num_tokens)
+        high[ids] = np.maximum(mark, end)
+        extent[ids] = end
+        admitted[ids] = True
         for i, (rid, emits) in enumerate(zip(batch.req_ids, batch.emits_token, strict=True)):
             if emits:
                 rec = live[int(rid)]
@@ -160,4 +197,6 @@ def simulate(conversations: list[Conversation], config: SchedulerConfig, *, rate
         "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
         "policy", "scheduling", "cache_decode_blocks", "enable_prefix_caching")}
     return SimResult(label=label, config=cfg, requests=done, duration=clock - start, steps=steps,
-                     stats=sched.stats(), rate=rate)
+                     stats=sched.stats(), rate=rate, computed_tokens=computed,
+                     recomputed_tokens=recomputed, preempted_tokens=preempted,
+                     readmissions=readmissions)
