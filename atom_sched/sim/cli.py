@@ -26,6 +26,7 @@ from ..cli_args import (
     table_problem,
     writable_dir,
 )
+from .simulator import MIN_STEP
 
 # Bounds of simulate's flags: an engine's sensible ranges, and the simulator's memory bounded
 # (its scheduler takes about 135 bytes a KV block and 16 bytes a block-table entry).
@@ -36,7 +37,6 @@ MAX_BUDGET = 2**20  # tokens per step
 MAX_PRIORITY_CLASSES = 100  # the report has a TTFT line per class and run
 MAX_THINK_TIME = 3_600.0  # seconds
 MAX_STEP_A, MAX_STEP_B, MAX_STEP_C = 60.0, 1.0, 1.0  # seconds; per token; per context token
-MIN_STEP = 1e-9  # the shortest step (a + b: one token, no context), so the clock advances
 MIN_RATE, MAX_RATE = 1e-6, 1e6  # conversations per second
 MAX_LOAD = 10.0
 

@@ -17,6 +17,7 @@ request seen before is a re-admission.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,8 @@ import numpy as np
 
 from .. import SamplingParams, Scheduler, SchedulerConfig
 from .workloads import Conversation
+
+MIN_STEP = 1e-9  # the shortest step (a + b: one token, no context), so the clock advances
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,18 @@ class StepTimeModel:
     a: float = 5e-3
     b: float = 40e-6
     c: float = 40e-9
+
+    def __post_init__(self) -> None:
+        # NaN or infinite constants made the simulated clock stand still (an endless loop) or
+        # every figure NaN; a step that costs nothing never advances the clock either.
+        for name in ("a", "b", "c"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"StepTimeModel.{name} must be a finite number >= 0, "
+                                 f"got {value!r}")
+        if self.a + self.b < MIN_STEP:
+            raise ValueError(f"StepTimeModel: a + b must be at least {MIN_STEP:g} s (a step that "
+                             "costs nothing never advances the clock)")
 
     def __call__(self, num_tokens: int, context_tokens: int) -> float:
         return self.a + self.b * num_tokens + self.c * context_tokens
@@ -110,7 +125,14 @@ def simulate(conversations: list[Conversation], config: SchedulerConfig, *, rate
              label: str = "", progress: Callable[[int], None] | None = None) -> SimResult:
     """Runs every turn of `conversations` through a Scheduler built from `config`.
     `rate`: conversations per second (Poisson); `math.inf` offers them all at time 0 (the
-    saturation throughput). `progress(n)` is called with the number of turns finished."""
+    saturation throughput). `progress(n)` is called with the number of turns finished.
+    ValueError for a rate that is not positive (NaN included) or a think time that is not a
+    finite number >= 0."""
+    if not isinstance(rate, (int, float)) or not rate > 0:
+        raise ValueError(f"rate must be a positive number of conversations/s or math.inf, "
+                         f"got {rate!r}")
+    if not isinstance(think_time, (int, float)) or not math.isfinite(think_time) or think_time < 0:
+        raise ValueError(f"think_time must be a finite number of seconds >= 0, got {think_time!r}")
     model = step_time or StepTimeModel()
     sched = Scheduler(config)
     rng = np.random.default_rng(seed)

@@ -127,3 +127,23 @@ def test_cli_refuses_bad_arguments(argv, message, capsys, tmp_path):
     rc = main(["simulate", "--workload", "chat", "--out", str(tmp_path), *argv])
     assert rc == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw", [{"think_time": float("nan")}, {"think_time": float("inf")},
+                                {"think_time": -1.0}, {"rate": float("nan")}, {"rate": 0.0},
+                                {"rate": -2.0}])
+def test_simulate_refuses_values_that_would_never_end(kw):
+    """From Python as from the command line: a NaN think time or rate used to loop forever."""
+    from atom_sched import SchedulerConfig
+
+    turn = Turn(np.arange(2, 7, dtype=np.int32), np.arange(7, 10, dtype=np.int32))
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        simulate([Conversation(turns=[turn])], SchedulerConfig(num_blocks=64, block_size=4),
+                 **{"rate": 1.0, **kw})
+
+
+@pytest.mark.parametrize("kw", [{"a": float("nan")}, {"b": float("inf")}, {"c": -1e-9},
+                                {"a": 0.0, "b": 0.0}])
+def test_step_time_model_refuses_constants_that_stop_the_clock(kw):
+    with pytest.raises(ValueError, match="StepTimeModel"):
+        StepTimeModel(**kw)
