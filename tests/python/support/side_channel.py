@@ -111,6 +111,15 @@ class Relay:
         self.answers: list[list[bytes]] = []  # what the producer answered
         self._ident: bytes | None = None
 
+    def drive(self, decode: Any, prefill: Any, seconds: float = 1.0) -> None:
+        """Step both engines for ``seconds``, relaying between them."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            decode.step()
+            self.pump()
+            prefill.step()
+            self.pump()
+
     def pump(self) -> None:
         while self.front.poll(0):
             self._ident, *msg = self.front.recv_multipart()
