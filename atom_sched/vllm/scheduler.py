@@ -33,7 +33,8 @@ from vllm.v1.request import Request, RequestStatus
 
 import atom_sched
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger, so that its handlers (the server's log) show these lines.
+logger = logging.getLogger("vllm.atom_sched")
 
 __all__ = ["AtomScheduler", "UnsupportedFeature"]
 
@@ -127,6 +128,11 @@ class AtomScheduler(SchedulerInterface):
             long_prefill_token_threshold=threshold,
         )
         self.core = atom_sched.Scheduler(self.core_config)
+        logger.info(
+            "atom_sched scheduler: %d KV blocks of %d tokens, max_num_seqs=%d, %d tokens a step, "
+            "prefix caching %s, chunked prefill %s, %s scheduling", num_blocks, block_size,
+            sc.max_num_seqs, budget, "on" if self.core_config.enable_prefix_caching else "off",
+            "on" if chunked else "off", self.core_config.scheduling)
 
         self.requests: dict[str, Request] = {}
         self._tracked: dict[str, _Tracked] = {}
@@ -142,7 +148,7 @@ class AtomScheduler(SchedulerInterface):
         self._in_flight: list[_InFlight] = []
         # Outputs of requests finished outside update_from_output (rejected by the core),
         # delivered with the next update_from_output.
-        self._pending_outputs: list[EngineCoreOutput] = []
+        self._pending_outputs: list[tuple[int, EngineCoreOutput]] = []
         self._pause_state = PauseState.UNPAUSED
         self._num_preemptions_seen = 0
         self._prefix_stats = PrefixCacheStats()
@@ -387,9 +393,9 @@ class AtomScheduler(SchedulerInterface):
             request = self.requests[rid]
             logger.warning("request %s not served: %s", rid, rej.reason)
             request.status = RequestStatus.FINISHED_IGNORED
-            self._pending_outputs.append(EngineCoreOutput(
+            self._pending_outputs.append((request.client_index, EngineCoreOutput(
                 request_id=rid, new_token_ids=[], finish_reason=request.get_finished_reason(),
-                events=request.take_events(), trace_headers=request.trace_headers))
+                events=request.take_events(), trace_headers=request.trace_headers)))
             self._free(rid)
             done.append(rid)
         return done
@@ -420,8 +426,8 @@ class AtomScheduler(SchedulerInterface):
                            model_runner_output: Any) -> dict[int, EngineCoreOutputs]:
         step = self._in_flight.pop(0)
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
-        for eco in self._pending_outputs:
-            outputs[0].append(eco)
+        for client_index, eco in self._pending_outputs:
+            outputs[client_index].append(eco)
         self._pending_outputs = []
         if step.batch is not None:
             self._apply(step, model_runner_output, outputs)

@@ -104,6 +104,8 @@ def test_prefix_caching_and_chunked_prefill_give_vllms_answers():
 def test_preemption_under_a_small_kv_pool_gives_vllms_answers():
     ours = run("atom", SMALL_KV)
     theirs = run("vllm", SMALL_KV)
+    print(f"preemptions: atom_sched {ours['preemptions']}, vLLM {theirs['preemptions']}; "
+          f"prefix hit tokens (atom_sched) {ours['core_stats']['prefix_hit_tokens']}")
     assert ours["preemptions"] > 0, "the scenario must preempt under atom_sched"
     assert theirs["preemptions"] > 0, "the scenario must preempt under vLLM's scheduler"
     _same_answers(ours, theirs)
@@ -208,3 +210,108 @@ def test_refuses_hybrid_and_sliding_window_kv_caches():
     kv.kv_cache_groups = [KVCacheGroupSpec(["l0"], sw)]
     with pytest.raises(UnsupportedFeature, match="SlidingWindowSpec"):
         AtomScheduler(cfg, kv, None, block_size=16)
+
+
+# ---- the protocol against a stand-in model runner (no model needed) --------------------------
+
+
+class _Runner:
+    """Keeps per request what vLLM's V1 model runner keeps (gpu_model_runner._update_states):
+    block ids appended, or replaced on a resume; dropped when finished."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks: dict[str, list[int]] = {}
+        self.tokens: dict[str, int] = {}  # tokens the runner knows (prompt and outputs)
+
+    def step(self, out, token: int = 7):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        for rid in out.finished_req_ids:
+            self.blocks.pop(rid, None)
+            self.tokens.pop(rid, None)
+        computed = {}
+        for new in out.scheduled_new_reqs:
+            assert new.req_id not in self.blocks
+            self.blocks[new.req_id] = list(new.block_ids[0])
+            self.tokens[new.req_id] = len(new.prompt_token_ids)
+            computed[new.req_id] = new.num_computed_tokens
+        c = out.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            ids = c.new_block_ids[i]
+            if rid in c.resumed_req_ids:
+                self.blocks[rid] = list(ids[0])
+            elif ids is not None:
+                self.blocks[rid].extend(ids[0])
+            computed[rid] = c.num_computed_tokens[i]
+        req_ids, sampled = [], []
+        for rid, n in out.num_scheduled_tokens.items():
+            end = computed[rid] + n
+            blocks = self.blocks[rid]
+            assert 0 not in blocks, "the null block was handed out"
+            assert len(blocks) * self.block_size >= end, "positions without a block"
+            req_ids.append(rid)
+            if end >= self.tokens[rid]:
+                sampled.append([token])
+                self.tokens[rid] += 1
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(req_ids=req_ids,
+                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled)
+
+
+def _request(rid: str, n: int, max_tokens: int):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return Request(request_id=rid, prompt_token_ids=list(range(1, n + 1)), sampling_params=sp,
+                   pooling_params=None)
+
+
+def test_protocol_with_preemption_and_rejection_against_a_stand_in_runner():
+    from vllm.v1.request import RequestStatus
+
+    from atom_sched.vllm import AtomScheduler
+
+    cfg, kv = _config()
+    kv.num_blocks = 4  # three usable blocks of 16 tokens
+    s = AtomScheduler(cfg, kv, None, block_size=16, log_stats=True)
+    runner = _Runner(16)
+    s.add_request(_request("a", 14, 8))
+    s.add_request(_request("b", 14, 8))
+    s.add_request(_request("big", 60, 4))  # four blocks: more than the pool holds
+    seen_preempted, seen_resumed, finished, outputs = set(), set(), {}, {}
+    for _ in range(100):
+        if not s.has_requests():
+            break
+        out = s.schedule()
+        seen_preempted |= out.preempted_req_ids or set()
+        seen_resumed |= out.scheduled_cached_reqs.resumed_req_ids
+        for eco in s.update_from_output(out, runner.step(out)).values():
+            for o in eco.outputs:
+                outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    finished[o.request_id] = str(o.finish_reason)
+            assert eco.scheduler_stats is not None
+    assert finished == {"a": "length", "b": "length", "big": "length"}
+    assert outputs["a"] == [7] * 8 and outputs["b"] == [7] * 8 and outputs.get("big", []) == []
+    # "b", admitted last, was the victim when both needed a second block, and came back.
+    assert seen_preempted == {"b"} and seen_resumed == {"b"}
+    assert s.core_stats()["num_preemptions"] == 1 and s.core_stats()["num_rejected"] == 1
+    assert not s.requests and not runner.blocks and s.get_kv_cache_usage() == 0.0
+    assert s.get_request_counts() == (0, 0)
+    # Aborts: finish_requests ends a waiting and a running request and reports them once.
+    s.add_request(_request("c", 14, 8))
+    s.add_request(_request("d", 14, 8))
+    out = s.schedule()
+    s.update_from_output(out, runner.step(out))
+    done = s.finish_requests(["c", "d", "nope"], RequestStatus.FINISHED_ABORTED)
+    assert sorted(r.request_id for r in done) == ["c", "d"]
+    assert all(r.status == RequestStatus.FINISHED_ABORTED for r in done)
+    assert s.finish_requests("c", RequestStatus.FINISHED_ABORTED) == []
+    out = s.schedule()
+    assert out.finished_req_ids == {"c", "d"} and out.total_num_scheduled_tokens == 0
+    s.update_from_output(out, runner.step(out))
+    assert not s.has_requests() and s.core_stats()["num_aborted"] == 2
