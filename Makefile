@@ -41,7 +41,7 @@ CMAKE_COMMON := -G Ninja -DATOM_SCHED_BUILD_TESTS=ON -DATOM_SCHED_BUILD_PYTHON=O
 SANITIZER_ENV := ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
 
 .PHONY: deps deps-build test-all help venv install demo demo-toy bench-engine build-cpp test-cpp build-asan test-asan test-python test bench clean distclean \
-        build-cuda check-hip gpu-check gpu-check-rehearsal fuzz lint bench-device
+        build-cuda check-hip gpu-check gpu-check-rehearsal fuzz lint bench-device test-vllm
 
 help:
 	@echo "make demo          set up, build, install, then serve SmolLM2-135M with the example engine"
@@ -50,6 +50,7 @@ help:
 	@echo "make test-cpp      GoogleTest suites, Release build in $(CPP_DIR)"
 	@echo "make test-asan     GoogleTest suites with ASan+UBSan in $(ASAN_DIR)"
 	@echo "make test-python   pip-install the package into $(VENV), then pytest tests/python"
+	@echo "make test-vllm     vLLM (CPU build, .venv-vllm) serving with atom_sched's scheduler class"
 	@echo "make install       (re)build and install the package into $(VENV)"
 	@echo "make build-cuda    compile the CUDA back end (nvcc, sm_80+sm_90) into $(CUDA_DIR), import-check it"
 	@echo "make check-hip     hipcc compile checks (gfx90a, gfx940) and a HIP module build in $(HIP_DIR)"
@@ -220,7 +221,14 @@ lint: venv
 test: deps
 	$(MAKE) test-all
 
-test-all: lint build-cuda check-hip test-hip-cpu test-hip-cpu-python gpu-check-rehearsal fuzz test-cpp test-asan test-python
+test-all: lint build-cuda check-hip test-hip-cpu test-hip-cpu-python gpu-check-rehearsal fuzz test-cpp test-asan test-python test-vllm
+
+# vLLM with atom_sched as its scheduler (docs/vllm.md), in a venv of its own (vLLM's CPU build,
+# 3.7 GB, about 10 min the first time, seconds after) and a build tree of its own.
+VLLM_VENV := .venv-vllm
+test-vllm:
+	scripts/vllm_venv.sh
+	cd tests/vllm && $(CURDIR)/$(VLLM_VENV)/bin/python -m pytest -q .
 
 # The example engine (atom_sched/engine): SmolLM2-135M-Instruct on the CPU answers several prompts
 # served together (continuous batching; a 10-block KV pool and a 32-token budget, so chunked
@@ -249,4 +257,4 @@ clean:
 	find . -name __pycache__ -type d -not -path './$(VENV)/*' -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)
