@@ -39,11 +39,13 @@ class SchedulerConfig:
     enable_kv_events: bool
     num_state_slots: int
     policy: Literal["atom", "mixed"]
-    scheduling: Literal["fcfs", "priority"]
+    scheduling: Literal["fcfs", "priority", "sjf"]
     long_prefill_token_threshold: int
     cache_decode_blocks: bool
     uniform_decode_rows: bool
     host_block_tables: bool
+    preemption_victim: Literal["service_order", "least_computed"]
+    sjf_aging_rate: float
     def __init__(
         self,
         num_blocks: int,
@@ -61,11 +63,13 @@ class SchedulerConfig:
         enable_kv_events: bool = False,
         num_state_slots: int = 0,
         policy: Literal["atom", "mixed"] = "atom",
-        scheduling: Literal["fcfs", "priority"] = "fcfs",
+        scheduling: Literal["fcfs", "priority", "sjf"] = "fcfs",
         long_prefill_token_threshold: int = 0,
         cache_decode_blocks: bool = True,
         uniform_decode_rows: bool = False,
         host_block_tables: bool = True,
+        preemption_victim: Literal["service_order", "least_computed"] = "service_order",
+        sjf_aging_rate: float = 100.0,
     ) -> None: ...
     def validate(self) -> None: ...
     @property
@@ -86,6 +90,7 @@ class SamplingParams:
     priority: int
     cache_salt: str
     lora_name: str
+    length_hint: int
     def __init__(
         self,
         *,
@@ -103,6 +108,7 @@ class SamplingParams:
         priority: int = 0,
         cache_salt: str = "",
         lora_name: str = "",
+        length_hint: int = 0,
     ) -> None: ...
     def validate(self) -> None: ...
 

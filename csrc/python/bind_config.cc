@@ -36,16 +36,16 @@ void add_pickle(py::class_<T>& cls, const std::array<const char*, N>& fields) {
   });
 }
 
-constexpr std::array<const char*, 19> kSchedulerConfigFields = {
+constexpr std::array<const char*, 21> kSchedulerConfigFields = {
     "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "enable_prefix_caching", "enable_chunked_prefill", "num_speculative_tokens", "eos_token_id",
     "stop_token_ids", "scheduler_delay_factor", "enable_kv_events", "num_state_slots",
     "policy", "scheduling", "long_prefill_token_threshold", "cache_decode_blocks",
-    "uniform_decode_rows", "host_block_tables"};
-constexpr std::array<const char*, 14> kSamplingParamsFields = {
+    "uniform_decode_rows", "host_block_tables", "preemption_victim", "sjf_aging_rate"};
+constexpr std::array<const char*, 15> kSamplingParamsFields = {
     "temperature", "top_k", "top_p", "max_tokens", "ignore_eos", "n", "logprobs",
     "stop_token_ids", "stop_token_sequences", "seed", "min_tokens", "priority", "cache_salt",
-    "lora_name"};
+    "lora_name", "length_hint"};
 
 // SchedulerConfig.policy in Python.
 const char* policy_name(BatchPolicy p) { return p == BatchPolicy::kMixed ? "mixed" : "atom"; }
@@ -56,15 +56,29 @@ BatchPolicy policy_from(const std::string& name) {
   throw py::value_error("policy must be 'atom' or 'mixed', got '" + name + "'");
 }
 
-// SchedulerConfig.scheduling in Python: vLLM's policy names.
+// SchedulerConfig.scheduling in Python: vLLM's policy names, and "sjf".
 const char* scheduling_name(SchedulingPolicy p) {
+  if (p == SchedulingPolicy::kSjf) return "sjf";
   return p == SchedulingPolicy::kPriority ? "priority" : "fcfs";
 }
 
 SchedulingPolicy scheduling_from(const std::string& name) {
   if (name == "fcfs") return SchedulingPolicy::kFcfs;
   if (name == "priority") return SchedulingPolicy::kPriority;
-  throw py::value_error("scheduling must be 'fcfs' or 'priority', got '" + name + "'");
+  if (name == "sjf") return SchedulingPolicy::kSjf;
+  throw py::value_error("scheduling must be 'fcfs', 'priority' or 'sjf', got '" + name + "'");
+}
+
+// SchedulerConfig.preemption_victim in Python.
+const char* victim_name(PreemptionVictim v) {
+  return v == PreemptionVictim::kLeastComputed ? "least_computed" : "service_order";
+}
+
+PreemptionVictim victim_from(const std::string& name) {
+  if (name == "service_order") return PreemptionVictim::kServiceOrder;
+  if (name == "least_computed") return PreemptionVictim::kLeastComputed;
+  throw py::value_error("preemption_victim must be 'service_order' or 'least_computed', got '" +
+                        name + "'");
 }
 
 }  // namespace
@@ -99,7 +113,8 @@ void bind_config(py::module_& m) {
                        const std::string& policy, const std::string& scheduling,
                        int32_t long_prefill_token_threshold,
                        bool cache_decode_blocks, bool uniform_decode_rows,
-                       bool host_block_tables) {
+                       bool host_block_tables, const std::string& preemption_victim,
+                       double sjf_aging_rate) {
              SchedulerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -120,6 +135,8 @@ void bind_config(py::module_& m) {
              c.cache_decode_blocks = cache_decode_blocks;
              c.uniform_decode_rows = uniform_decode_rows;
              c.host_block_tables = host_block_tables;
+             c.preemption_victim = victim_from(preemption_victim);
+             c.sjf_aging_rate = sjf_aging_rate;
              return c;
            }),
            "num_blocks"_a, py::kw_only(), "block_size"_a = 16, "max_num_seqs"_a = 256,
@@ -130,7 +147,8 @@ void bind_config(py::module_& m) {
            "enable_kv_events"_a = false, "num_state_slots"_a = 0, "policy"_a = "atom",
            "scheduling"_a = "fcfs",
            "long_prefill_token_threshold"_a = 0, "cache_decode_blocks"_a = true,
-           "uniform_decode_rows"_a = false, "host_block_tables"_a = true)
+           "uniform_decode_rows"_a = false, "host_block_tables"_a = true,
+           "preemption_victim"_a = "service_order", "sjf_aging_rate"_a = 100.0)
       .def_readwrite("num_blocks", &SchedulerConfig::num_blocks)
       .def_readwrite("block_size", &SchedulerConfig::block_size)
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
@@ -155,6 +173,13 @@ void bind_config(py::module_& m) {
       .def_readwrite("cache_decode_blocks", &SchedulerConfig::cache_decode_blocks)
       .def_readwrite("uniform_decode_rows", &SchedulerConfig::uniform_decode_rows)
       .def_readwrite("host_block_tables", &SchedulerConfig::host_block_tables)
+      .def_property(
+          "preemption_victim",
+          [](const SchedulerConfig& c) { return victim_name(c.preemption_victim); },
+          [](SchedulerConfig& c, const std::string& name) {
+            c.preemption_victim = victim_from(name);
+          })
+      .def_readwrite("sjf_aging_rate", &SchedulerConfig::sjf_aging_rate)
       .def("validate", &SchedulerConfig::validate, "Raises ValueError naming an invalid field.")
       .def_property_readonly("max_blocks_per_request", &SchedulerConfig::max_blocks_per_request)
       .def("__repr__", [](const SchedulerConfig& c) {
@@ -165,7 +190,8 @@ void bind_config(py::module_& m) {
                ", max_model_len=" + std::to_string(c.max_model_len) +
                ", num_speculative_tokens=" + std::to_string(c.num_speculative_tokens) +
                ", policy='" + policy_name(c.policy) + "', scheduling='" +
-               scheduling_name(c.scheduling) + "')";
+               scheduling_name(c.scheduling) + "', preemption_victim='" +
+               victim_name(c.preemption_victim) + "')";
       });
   add_pickle(config, kSchedulerConfigFields);
 
@@ -176,7 +202,7 @@ void bind_config(py::module_& m) {
                        std::vector<int32_t> stop_token_ids,
                        std::vector<std::vector<int32_t>> stop_token_sequences, int64_t seed,
                        int32_t min_tokens, int32_t priority, const py::object& cache_salt,
-                       const py::object& lora_name) {
+                       const py::object& lora_name, int32_t length_hint) {
              SamplingParams p;
              p.temperature = temperature;
              p.top_k = top_k;
@@ -192,6 +218,7 @@ void bind_config(py::module_& m) {
              p.priority = priority;
              p.cache_salt = extra_key_text(cache_salt, "cache_salt");
              p.lora_name = extra_key_text(lora_name, "lora_name");
+             p.length_hint = length_hint;
              p.validate();
              return p;
            }),
@@ -200,7 +227,7 @@ void bind_config(py::module_& m) {
            "stop_token_ids"_a = std::vector<int32_t>{},
            "stop_token_sequences"_a = std::vector<std::vector<int32_t>>{}, "seed"_a = -1,
            "min_tokens"_a = 0, "priority"_a = 0, "cache_salt"_a = py::str(""),
-           "lora_name"_a = py::str(""))
+           "lora_name"_a = py::str(""), "length_hint"_a = 0)
       .def_readwrite("temperature", &SamplingParams::temperature)
       .def_readwrite("top_k", &SamplingParams::top_k)
       .def_readwrite("top_p", &SamplingParams::top_p)
@@ -213,6 +240,7 @@ void bind_config(py::module_& m) {
       .def_readwrite("seed", &SamplingParams::seed)
       .def_readwrite("min_tokens", &SamplingParams::min_tokens)
       .def_readwrite("priority", &SamplingParams::priority)
+      .def_readwrite("length_hint", &SamplingParams::length_hint)
       .def_property(
           "cache_salt", [](const SamplingParams& p) { return p.cache_salt; },
           [](SamplingParams& p, const py::object& v) {

@@ -1,5 +1,6 @@
 #include "atom_sched/config.h"
 
+#include <cmath>
 #include <string>
 
 #include "atom_sched/errors.h"
@@ -40,8 +41,17 @@ void SchedulerConfig::validate() const {
   require(num_state_slots >= 0, "num_state_slots must be >= 0" + got(int64_t{num_state_slots}));
   require(policy == BatchPolicy::kAtom || policy == BatchPolicy::kMixed,
           "policy must be atom or mixed" + got(int64_t{static_cast<int>(policy)}));
-  require(scheduling == SchedulingPolicy::kFcfs || scheduling == SchedulingPolicy::kPriority,
-          "scheduling must be FCFS or priority" + got(int64_t{static_cast<int>(scheduling)}));
+  require(scheduling == SchedulingPolicy::kFcfs || scheduling == SchedulingPolicy::kPriority ||
+              scheduling == SchedulingPolicy::kSjf,
+          "scheduling must be FCFS, priority or SJF" + got(int64_t{static_cast<int>(scheduling)}));
+  require(preemption_victim == PreemptionVictim::kServiceOrder ||
+              preemption_victim == PreemptionVictim::kLeastComputed,
+          "preemption_victim must be service order or least computed" +
+              got(int64_t{static_cast<int>(preemption_victim)}));
+  // (!(x > 0) also refuses NaN.)
+  require(sjf_aging_rate > 0.0 && std::isfinite(sjf_aging_rate),
+          "sjf_aging_rate must be a finite number > 0 (job tokens credited per second waited)" +
+              got(sjf_aging_rate));
   require(long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0" +
                                                  got(int64_t{long_prefill_token_threshold}));
   require(long_prefill_token_threshold == 0 || enable_chunked_prefill,
@@ -66,6 +76,8 @@ void SamplingParams::validate() const {
           "min_tokens must be in range [0, max_tokens=" + std::to_string(max_tokens) + "]" +
               got(int64_t{min_tokens}));
   require(n >= 1, "n must be >= 1" + got(int64_t{n}));
+  require(length_hint >= 0, "length_hint must be >= 0 (0: max_tokens is the job size)" +
+                                got(int64_t{length_hint}));
   require(seed >= -1, "seed must be >= 0, or -1 for none" + got(int64_t{seed}));
   for (int32_t t : stop_token_ids)
     require(t >= 0, "stop_token_ids must be >= 0" + got(int64_t{t}));

@@ -158,13 +158,22 @@ void Scheduler::list_insert_after(List& l, int32_t after, int32_t slot) {
 
 void Scheduler::enqueue(List& l, int32_t slot, bool preempted) {
   const ServiceOrder order{config_.scheduling};
+  const Request& r = requests_[slot];
   if (!order.sorted()) {
-    list_insert_after(l, preempted ? -1 : l.tail, slot);
+    int32_t after = preempted ? -1 : l.tail;
+    // A preempted request goes back to the head. Victims taken from the tail come in reverse
+    // service order, so each goes first; others (least computed) go behind the victims at the
+    // head served before them.
+    if (preempted && !VictimChoice{config_.preemption_victim, config_.scheduling}.takes_tail())
+      for (int32_t e = l.head;
+           e >= 0 && requests_[e].preempted && requests_[e].arrival_seq < r.arrival_seq;
+           e = links_[e].next)
+        after = e;
+    list_insert_after(l, after, slot);
     return;
   }
   // Sorted: walk from the end the request most likely belongs near (a preempted request was
   // admitted before most of what waits; an arrival or admission comes after most of the queue).
-  const Request& r = requests_[slot];
   if (preempted) {
     int32_t after = -1;
     for (int32_t e = l.head; e >= 0 && !order(r, requests_[e]); e = links_[e].next) after = e;
@@ -334,6 +343,8 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.ignore_eos = params.ignore_eos;
   r.arrival_time = arrival_time;
   r.priority = params.priority;
+  const int32_t job_tokens = params.length_hint > 0 ? params.length_hint : params.max_tokens;
+  r.sjf_key = arrival_time + job_tokens / config_.sjf_aging_rate;
   r.lora_name = params.lora_name;
   r.cache_salt = params.cache_salt;
   r.hash_namespace = hash_namespace(params.lora_name, params.cache_salt);
@@ -704,14 +715,22 @@ template <bool kSpec>
   return r.num_inflight == 0 ? std::min(n, r.num_drafts + 1) : n;
 }
 
-int32_t Scheduler::preemption_victim() const {
+int32_t Scheduler::preemption_victim(size_t from) const {
+  // The candidates are running_[from..]: the rows before `from` are already in the batch.
+  const VictimChoice choice{config_.preemption_victim, config_.scheduling};
   // Running is kept in service order (add_running): the request served last is its tail (never
   // a hole).
-  return running_.back();
+  if (choice.takes_tail()) return running_.back();
+  int32_t victim = running_.back();
+  for (size_t i = running_.size() - 1; i-- > from;) {
+    const int32_t s = running_[i];
+    if (s != kRunningHole && choice.before(requests_[s], requests_[victim])) victim = s;
+  }
+  return victim;
 }
 
 bool Scheduler::preemption_can_free(size_t at, int32_t missing) {
-  // Victims are taken as preemption_victim() takes them: from the tail, towards running_[at].
+  // Whether preempting them all would do: the order victims are taken in does not matter.
   int32_t room = pool_.num_free_blocks();
   size_t v = running_.size();
   for (; v > at + 1 && room < missing; --v) {
@@ -766,11 +785,11 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
       // transfer): with an empty batch, preempting would change the state and still schedule
       // nothing, so the request keeps its blocks and waits; later requests may still run.
       if (b.num_rows == 0 && !preemption_can_free(i, needed - have)) continue;
-      // Recompute preemption, LIFO: the tail of running. Rows already in this batch sit before
-      // `s` in the set, so they are never victims.
+      // Recompute preemption (policy.h's VictimChoice), among `s` and the requests after it:
+      // rows already in this batch sit before `s` in the set, so they are never victims.
       bool preempted_self = false;
       while (!pool_.grow(r.block_table, needed)) {
-        const int32_t victim = preemption_victim();
+        const int32_t victim = preemption_victim(i);
         step_victims_[next_buffer_].push_back(requests_[victim].id);
         preempt(victim);
         if (victim == s) {
@@ -778,7 +797,8 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
           break;
         }
       }
-      if (preempted_self) break;  // s was the tail: nothing after it
+      // Its blocks freed, the requests after it may still fit (taking the tail, none are left).
+      if (preempted_self) continue;
     }
     if (have < needed) r.table_changed();  // it grew (had it preempted itself, the loop left)
     add_decode_row<kSpec, kPow2>(b, s, n);

@@ -136,6 +136,26 @@ void AppendBatch(const Snap& b, std::vector<int64_t>& trace) {
   put(b.new_block_offsets), put(b.new_block_ids), put(b.slot_reset);
 }
 
+// The service order and victim rule of a random configuration: every combination, FCFS with
+// ATOM's victims the most often.
+SchedulingPolicy RandomScheduling(std::mt19937& rng) {
+  const uint32_t x = rng() % 6;
+  return x < 2 ? SchedulingPolicy::kPriority : x == 2 ? SchedulingPolicy::kSjf
+                                                      : SchedulingPolicy::kFcfs;
+}
+
+PreemptionVictim RandomVictim(std::mt19937& rng) {
+  return rng() % 3 == 0 ? PreemptionVictim::kLeastComputed : PreemptionVictim::kServiceOrder;
+}
+
+// A request's priority or job-length hint, as its configuration takes them.
+void RandomServiceParams(const SchedulerConfig& c, SamplingParams& p, std::mt19937& rng) {
+  if (c.scheduling == SchedulingPolicy::kPriority)
+    p.priority = static_cast<int32_t>(rng() % 5) - 2;
+  if (c.scheduling == SchedulingPolicy::kSjf && rng() % 2 == 0)
+    p.length_hint = 1 + static_cast<int32_t>(rng() % 12);
+}
+
 // A random stream's batches (AppendBatch()) and outputs, in order.
 std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tables = true) {
   std::vector<int64_t> trace;
@@ -159,7 +179,8 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
     c.stop_token_ids = {3};
     c.num_state_slots = rng() % 4 == 0 ? pick(1, 4) : 0;
     c.policy = rng() % 2 == 0 ? BatchPolicy::kMixed : BatchPolicy::kAtom;
-    c.scheduling = rng() % 3 == 0 ? SchedulingPolicy::kPriority : SchedulingPolicy::kFcfs;
+    c.scheduling = RandomScheduling(rng);
+    c.preemption_victim = RandomVictim(rng);
     if (c.enable_chunked_prefill && rng() % 3 == 0) c.long_prefill_token_threshold = pick(1, 12);
     c.host_block_tables = host_tables;
     const int32_t k = c.num_speculative_tokens;
@@ -180,7 +201,7 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
         SamplingParams p = P(pick(1, 12));
         p.ignore_eos = rng() % 5 == 0;
         if (rng() % 6 == 0) p.stop_token_sequences = {{5, 6}};
-        if (c.scheduling == SchedulingPolicy::kPriority) p.priority = pick(-2, 2);
+        RandomServiceParams(c, p, rng);
         // Arrival times out of add order: priority ties are broken by them.
         h.s.add_request(id, prompt, p, /*arrival_time=*/pick(0, 20) * 0.5);
         h.Inv("add_request");
@@ -308,7 +329,8 @@ AdmissionCounts MixedPreemptionStream(uint32_t seed, int64_t steps) {
   c.eos_token_id = 2;
   c.num_state_slots = rng() % 4 == 0 ? pick(1, 4) : 0;
   c.policy = BatchPolicy::kMixed;
-  c.scheduling = rng() % 3 == 0 ? SchedulingPolicy::kPriority : SchedulingPolicy::kFcfs;
+  c.scheduling = RandomScheduling(rng);
+  c.preemption_victim = RandomVictim(rng);
   if (c.enable_chunked_prefill && rng() % 3 == 0) c.long_prefill_token_threshold = pick(1, 12);
   const int32_t k = c.num_speculative_tokens;
   Scheduler s(c);
@@ -336,7 +358,7 @@ AdmissionCounts MixedPreemptionStream(uint32_t seed, int64_t steps) {
       for (int32_t j = pick(1, 6); j > 0; --j) prompt.push_back(pick(4, 9));
       SamplingParams p = P(pick(1, 12));
       p.ignore_eos = rng() % 5 == 0;
-      if (c.scheduling == SchedulingPolicy::kPriority) p.priority = pick(-2, 2);
+      RandomServiceParams(c, p, rng);
       s.add_request(next_id++, prompt, p, pick(0, 20) * 0.5);
     }
     if (rng() % 25 == 0 && next_id > 0) {

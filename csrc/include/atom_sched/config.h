@@ -25,6 +25,14 @@ enum class BatchPolicy : uint8_t {
 enum class SchedulingPolicy : uint8_t {
   kFcfs,      // ATOM's: arrival order; the victim is the request admitted last
   kPriority,  // vLLM's: (priority, arrival_time) ascending; the victim is the lowest priority
+  kSjf,       // shortest job first with aging: by arrival_time + job tokens / sjf_aging_rate
+};
+
+/// Which running request a step preempts when the KV pool is short (policy.h's VictimChoice).
+enum class PreemptionVictim : uint8_t {
+  kServiceOrder,   // the request served last (ATOM's LIFO under FCFS; vLLM's under priority)
+  kLeastComputed,  // the fewest computed tokens: the least KV to recompute (within the lowest
+                   // priority under priority scheduling); ties: the request served last
 };
 
 /// Static configuration of a Scheduler. Units are tokens unless stated otherwise.
@@ -44,6 +52,11 @@ struct SchedulerConfig {
   int32_t num_state_slots = 0;  // per-request state slots (linear attention); 0: not needed
   BatchPolicy policy = BatchPolicy::kAtom;
   SchedulingPolicy scheduling = SchedulingPolicy::kFcfs;
+  PreemptionVictim preemption_victim = PreemptionVictim::kServiceOrder;
+  // kSjf: job tokens a waiting request is credited per second of age, so its wait is bounded: a
+  // request of J job tokens that arrived at T is served before every request arriving after
+  // T + J / sjf_aging_rate. Finite and > 0.
+  double sjf_aging_rate = 100.0;
   // > 0: one request prefills at most this many tokens per step, so a long prompt cannot take
   // the whole budget (vLLM's; needs chunked prefill). 0: no cap.
   int32_t long_prefill_token_threshold = 0;
@@ -82,6 +95,7 @@ struct SamplingParams {
   bool logprobs = false;     // stream the sampled tokens' log-probabilities
   int64_t seed = -1;         // the sampler's seed for this request; -1: the engine chooses
   int32_t priority = 0;      // scheduling=kPriority only: smaller is served first (vLLM's)
+  int32_t length_hint = 0;   // scheduling=kSjf: expected output tokens (0: max_tokens is used)
   // vLLM's extra keys of the block hashes: requests share cached blocks only when both are equal
   // (tenants with different salts, or different LoRA adapters, never share a block). Empty: none.
   std::string cache_salt;

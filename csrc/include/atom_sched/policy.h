@@ -1,8 +1,9 @@
 // The scheduling policy's decisions as small value types (TensorRT-LLM's capacity schedulers are
 // the model). The batch-building loops and the data-parallel readiness probe call these; the
 // rules live here and nowhere else:
-//  * ServiceOrder: the order both queues keep. Admission takes waiting requests from the head;
-//    the preemption victim is the running request served last (the tail of `running`).
+//  * ServiceOrder: the order both queues keep. Admission takes waiting requests from the head.
+//  * VictimChoice: which running request not yet in the step's batch is preempted first: by
+//    default the one served last (the tail of `running`), or the one with the least to recompute.
 //  * PrefillChunk: how many uncomputed prompt tokens of one request a step prefills, or 0 when
 //    the request does not fit (admission stops there: head-of-line blocking, as ATOM).
 #pragma once
@@ -21,15 +22,40 @@ struct ServiceOrder {
 
   /// FCFS orders nothing: a queue keeps the order of its insertions (arrivals at the back of
   /// waiting, a preempted request back at its head, admissions at the back of running), so the
-  /// victim is the request admitted last, as ATOM. Priority keeps both queues sorted by this.
-  [[nodiscard]] bool sorted() const noexcept { return policy == SchedulingPolicy::kPriority; }
+  /// request served last is the one admitted last, as ATOM. Priority and SJF keep both queues
+  /// sorted by this.
+  [[nodiscard]] bool sorted() const noexcept { return policy != SchedulingPolicy::kFcfs; }
 
-  /// Priority: whether `a` is served strictly before `b` (admitted first; running, preempted
-  /// after it). (priority, arrival_time, add order), smallest first, as vLLM: the victim is the
-  /// running request with the largest priority value, latest arrival first.
+  /// Whether `a` is served strictly before `b` (admitted first; running, preempted after it).
+  /// Priority: (priority, arrival_time, add order), smallest first, as vLLM. SJF: (sjf_key, add
+  /// order): the job tokens (length hint, else max_tokens) as seconds of age at sjf_aging_rate,
+  /// added to the arrival time. The key never changes while the request lives, so the sorted
+  /// queues stay sorted as time passes; and a request is overtaken only by requests that arrived
+  /// within its job's seconds after it, which bounds its wait.
   [[nodiscard]] bool operator()(const Request& a, const Request& b) const noexcept {
+    if (policy == SchedulingPolicy::kSjf)
+      return std::tie(a.sjf_key, a.arrival_seq) < std::tie(b.sjf_key, b.arrival_seq);
     return std::tie(a.priority, a.arrival_time, a.arrival_seq) <
            std::tie(b.priority, b.arrival_time, b.arrival_seq);
+  }
+};
+
+struct VictimChoice {
+  PreemptionVictim rule = PreemptionVictim::kServiceOrder;
+  SchedulingPolicy policy = SchedulingPolicy::kFcfs;
+
+  /// kServiceOrder: the candidate served last is the victim, which in a running set kept in
+  /// service order is its tail.
+  [[nodiscard]] bool takes_tail() const noexcept { return rule == PreemptionVictim::kServiceOrder; }
+
+  /// kLeastComputed: whether candidate `a` is preempted before `b`: a lower priority first
+  /// (priority scheduling only: no request is preempted for a lower-priority one), then fewer
+  /// computed tokens (the KV its readmission computes again). The caller walks the candidates
+  /// from the one served last and takes a strictly better one, so ties go to the one served last.
+  [[nodiscard]] bool before(const Request& a, const Request& b) const noexcept {
+    if (policy == SchedulingPolicy::kPriority && a.priority != b.priority)
+      return a.priority > b.priority;
+    return a.num_computed_tokens < b.num_computed_tokens;
   }
 };
 

@@ -110,7 +110,8 @@ class Scheduler {
 
   /// Queues a request. InvalidArgument: id < 0 or already live, empty prompt, a negative token
   /// id, invalid params. An oversized prompt is not an error: schedule() rejects it with ATOM's
-  /// reason (take_rejected()). `arrival_time` (seconds) feeds scheduler_delay_factor only.
+  /// reason (take_rejected()). `arrival_time` (seconds) orders priority and SJF
+  /// scheduling (policy.h) and feeds scheduler_delay_factor.
   void add_request(int64_t id, std::span<const int32_t> prompt, const SamplingParams& params,
                    double arrival_time = 0.0);
 
@@ -348,10 +349,10 @@ class Scheduler {
   [[nodiscard]] int32_t final_length(const Request& r) const;
   /// The admission chunk rule of this configuration (policy.h).
   [[nodiscard]] PrefillChunk prefill_chunk() const;
-  /// The running request preempted first: the one served last (policy.h's ServiceOrder).
-  [[nodiscard]] int32_t preemption_victim() const;
+  /// The running request preempted first among running_[from..] (policy.h's VictimChoice).
+  [[nodiscard]] int32_t preemption_victim(size_t from) const;
   /// Whether preempting every running request after running_[at] would free `missing` blocks
-  /// (blocks shared with others stay).
+  /// (blocks shared with others stay), whichever order the victims are taken in.
   [[nodiscard]] bool preemption_can_free(size_t at, int32_t missing);
   void preempt(int32_t slot);
   void reject(int32_t slot, std::string reason);  // finished as unschedulable, reported
