@@ -79,6 +79,21 @@ def finite_float(lo: float, hi: float, *, lo_open: bool = False, also: Iterable[
     return parse
 
 
+def choice_list(choices: Iterable[str]) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: a comma-separated list of `choices` (each kept once, in the order
+    given)."""
+    allowed = tuple(choices)
+
+    def parse(s: str) -> tuple[str, ...]:
+        items = [x.strip() for x in s.split(",")]
+        if any(x not in allowed for x in items):
+            raise argparse.ArgumentTypeError(
+                f"must be one or more of {', '.join(allowed)}, separated by commas, got {s!r}")
+        return tuple(dict.fromkeys(items))
+
+    return parse
+
+
 def text(max_chars: int) -> Callable[[str], str]:
     """An argparse type: a non-empty string of at most `max_chars` characters, valid UTF-8."""
 

@@ -20,6 +20,7 @@ from ..cli_args import (
     MAX_NUM_SEQS,
     MAX_TABLE_ENTRIES,
     bounded_int,
+    choice_list,
     fail,
     finite_float,
     output_dir,
@@ -39,6 +40,10 @@ MAX_THINK_TIME = 3_600.0  # seconds
 MAX_STEP_A, MAX_STEP_B, MAX_STEP_C = 60.0, 1.0, 1.0  # seconds; per token; per context token
 MIN_RATE, MAX_RATE = 1e-6, 1e6  # conversations per second
 MAX_LOAD = 10.0
+MIN_AGING, MAX_AGING = 1e-6, 1e9  # SJF aging: job tokens credited per second waited
+MAX_HINT_ERROR = 3.0  # sigma of the length hint's log-normal error
+SCHEDULINGS = ("fcfs", "priority", "sjf")
+VICTIMS = ("service_order", "least_computed")
 
 
 def _nonnegative(hi: float) -> Any:
@@ -63,7 +68,7 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     w.add_argument("--priority-classes", type=bounded_int(1, MAX_PRIORITY_CLASSES),
                    default=1,
                    help=f"N in 2..{MAX_PRIORITY_CLASSES}: each conversation gets a random "
-                        "priority 0..N-1 and runs use scheduling='priority' (default 1: FCFS)")
+                        "priority 0..N-1, and --scheduling defaults to priority (default 1)")
     w.add_argument("--seed", type=bounded_int(0, INT64_MAX), default=0,
                    help="0..2^63-1 (default 0)")
     r = g.add_argument_group("load")
@@ -77,6 +82,20 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
                         "(instead of --load)")
     s = g.add_argument_group("scheduler (an H100-class GPU serving an 8B model)")
     s.add_argument("--policy", choices=("atom", "mixed", "both"), default="both")
+    s.add_argument("--scheduling", type=choice_list(SCHEDULINGS), default=None,
+                   help="service order(s) to run, comma-separated: fcfs, priority, sjf "
+                        "(shortest job first with aging) (default fcfs; priority with "
+                        "--priority-classes)")
+    s.add_argument("--victim", type=choice_list(VICTIMS), default=("service_order",),
+                   help="preemption victim rule(s), comma-separated: service_order (the "
+                        "request served last: ATOM's), least_computed (default service_order)")
+    s.add_argument("--sjf-aging-rate", type=finite_float(
+                       MIN_AGING, MAX_AGING, what=f"a number in [{MIN_AGING:g}, {MAX_AGING:g}]"),
+                   default=100.0,
+                   help="sjf: job tokens credited per second waited (default 100)")
+    s.add_argument("--length-hint-error", type=finite_float(0.0, MAX_HINT_ERROR), default=0.0,
+                   help="sjf: the length hint is the reply's length times exp(N(0, E)), a "
+                        f"predictor's error; 0..{MAX_HINT_ERROR:g} (default 0: exact lengths)")
     s.add_argument("--decode-caching", choices=("on", "off", "both"), default="on",
                    help="cache_decode_blocks (default on)")
     s.add_argument("--kv-blocks", type=bounded_int(2, MAX_KV_BLOCKS), default=29_000,
@@ -127,12 +146,31 @@ def _conversations(args: argparse.Namespace) -> list[Any]:
     return convs
 
 
-def _config(args: argparse.Namespace, policy: str, decode_caching: bool) -> SchedulerConfig:
+def _schedulings(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.scheduling is not None:
+        return tuple(args.scheduling)
+    return ("priority",) if args.priority_classes > 1 else ("fcfs",)
+
+
+def _config(args: argparse.Namespace, policy: str, decode_caching: bool,
+            scheduling: str = "fcfs", victim: str = "service_order") -> SchedulerConfig:
     return SchedulerConfig(
         num_blocks=args.kv_blocks, block_size=16, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.budget, max_model_len=args.max_model_len, policy=policy,
-        scheduling="priority" if args.priority_classes > 1 else "fcfs",
+        scheduling=scheduling, preemption_victim=victim, sjf_aging_rate=args.sjf_aging_rate,
         cache_decode_blocks=decode_caching)
+
+
+def _label(policy: str, scheduling: str, victim: str, caching: bool | None) -> str:
+    """A run's name: its batch policy, then what differs from ATOM's defaults."""
+    parts = [policy]
+    if scheduling != "fcfs":
+        parts.append(scheduling)
+    if victim != "service_order":
+        parts.append(victim.replace("_", " "))
+    if caching is not None:
+        parts.append("decode caching" if caching else "no decode caching")
+    return ", ".join(parts)
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -175,16 +213,17 @@ def run(args: argparse.Namespace) -> int:
     policies = ["atom", "mixed"] if args.policy == "both" else [args.policy]
     cachings = [True, False] if args.decode_caching == "both" else [args.decode_caching == "on"]
 
-    def one(label: str, policy: str, caching: bool, rate: float) -> Any:
+    def one(label: str, config: SchedulerConfig, rate: float) -> Any:
         bar = None
         if not args.no_progress:
             from tqdm import tqdm
 
             bar = tqdm(total=turns, desc=label, unit="req", leave=False)
         t0 = time.perf_counter()
-        res = simulate(convs, _config(args, policy, caching), rate=rate, seed=args.seed,
+        res = simulate(convs, config, rate=rate, seed=args.seed,
                        think_time=args.think_time, step_time=model, label=label,
-                       progress=None if bar is None else (lambda n: bar.update(n - bar.n)))
+                       progress=None if bar is None else (lambda n: bar.update(n - bar.n)),
+                       length_hint_error=args.length_hint_error)
         if bar is not None:
             bar.close()
         res.config["wall_s"] = time.perf_counter() - t0
@@ -193,14 +232,20 @@ def run(args: argparse.Namespace) -> int:
     results = []
     rate = args.rate
     if rate is None:
-        sat = one("atom, saturated", "atom", cachings[0], math.inf)
+        # The reference: ATOM's policy, in the workload's own order (priority with classes).
+        sat = one("atom, saturated", _config(
+            args, "atom", cachings[0], "priority" if args.priority_classes > 1 else "fcfs"),
+            math.inf)
         results.append(sat)
         rate = args.load * len(convs) / sat.duration
     for policy in policies:
-        for caching in cachings:
-            label = policy + ("" if len(cachings) == 1 else
-                              (", decode caching" if caching else ", no decode caching"))
-            results.append(one(label, policy, caching, rate))
+        for scheduling in _schedulings(args):
+            for victim in args.victim:
+                for caching in cachings:
+                    label = _label(policy, scheduling, victim,
+                                   None if len(cachings) == 1 else caching)
+                    results.append(one(label, _config(args, policy, caching, scheduling, victim),
+                                       rate))
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"workload": args.workload, "conversations": len(convs), "turns": turns,
             "rate_conv_per_s": rate, "load": None if args.rate is not None else args.load,

@@ -120,19 +120,39 @@ class SimResult:
         return float(self.stats["prefix_hit_rate"])
 
 
+def length_hints(conversations: list[Conversation], error: float, seed: int) -> list[list[int]]:
+    """Each turn's length hint (SamplingParams.length_hint, what SJF orders by): 0, so that the
+    exact reply length (the simulator's max_tokens) is the job size, when `error` is 0; else the
+    reply length times exp(N(0, error)), at least 1: a length predictor's log-normal error. The
+    same hints for every run of one seed."""
+    if error == 0:
+        return [[0] * len(c.turns) for c in conversations]
+    rng = np.random.default_rng([seed, 2])
+    return [[max(1, round(len(t.output) * math.exp(rng.normal(0.0, error)))) for t in c.turns]
+            for c in conversations]
+
+
 def simulate(conversations: list[Conversation], config: SchedulerConfig, *, rate: float,
              seed: int = 0, think_time: float = 1.0, step_time: StepTimeModel | None = None,
-             label: str = "", progress: Callable[[int], None] | None = None) -> SimResult:
+             label: str = "", progress: Callable[[int], None] | None = None,
+             length_hint_error: float = 0.0) -> SimResult:
     """Runs every turn of `conversations` through a Scheduler built from `config`.
     `rate`: conversations per second (Poisson); `math.inf` offers them all at time 0 (the
     saturation throughput). `progress(n)` is called with the number of turns finished.
-    ValueError for a rate that is not positive (NaN included) or a think time that is not a
-    finite number >= 0."""
+    Conversations' priorities are used under scheduling="priority" only; `length_hint_error`:
+    see length_hints(). ValueError for a rate that is not positive (NaN included), a think time
+    or hint error that is not a finite number >= 0."""
     if not isinstance(rate, (int, float)) or not rate > 0:
         raise ValueError(f"rate must be a positive number of conversations/s or math.inf, "
                          f"got {rate!r}")
     if not isinstance(think_time, (int, float)) or not math.isfinite(think_time) or think_time < 0:
         raise ValueError(f"think_time must be a finite number of seconds >= 0, got {think_time!r}")
+    if (not isinstance(length_hint_error, (int, float)) or not math.isfinite(length_hint_error)
+            or length_hint_error < 0):
+        raise ValueError(f"length_hint_error must be a finite number >= 0, "
+                         f"got {length_hint_error!r}")
+    hints = length_hints(conversations, float(length_hint_error), seed)
+    use_priority = config.scheduling == "priority"
     model = step_time or StepTimeModel()
     sched = Scheduler(config)
     rng = np.random.default_rng(seed)
@@ -164,7 +184,8 @@ def simulate(conversations: list[Conversation], config: SchedulerConfig, *, rate
             turn = conv.turns[k]
             sched.add_request(next_id, turn.prompt,
                               SamplingParams(max_tokens=len(turn.output), ignore_eos=True,
-                                             priority=conv.priority), arrival_time=t)
+                                             priority=conv.priority if use_priority else 0,
+                                             length_hint=hints[c][k]), arrival_time=t)
             live[next_id] = RequestRecord(c, k, t, conv.priority, len(turn.prompt))
             outputs[next_id] = turn.output
             next_id += 1
@@ -217,7 +238,9 @@ def simulate(conversations: list[Conversation], config: SchedulerConfig, *, rate
     start = min((r.arrival for r in done), default=0.0)
     cfg = {name: getattr(config, name) for name in (
         "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-        "policy", "scheduling", "cache_decode_blocks", "enable_prefix_caching")}
+        "policy", "scheduling", "preemption_victim", "sjf_aging_rate", "cache_decode_blocks",
+        "enable_prefix_caching")}
+    cfg["length_hint_error"] = float(length_hint_error)
     return SimResult(label=label, config=cfg, requests=done, duration=clock - start, steps=steps,
                      stats=sched.stats(), rate=rate, computed_tokens=computed,
                      recomputed_tokens=recomputed, preempted_tokens=preempted,
