@@ -106,15 +106,24 @@ class AtomScheduler(SchedulerInterface):
 
         self.max_model_len = vllm_config.model_config.max_model_len
         self.use_v2_model_runner = bool(getattr(vllm_config, "use_v2_model_runner", False))
+        # The runner's sampling masks are passed through per request, as vLLM's scheduler does.
+        self.return_sampling_mask = bool(
+            getattr(vllm_config.model_config, "return_sampling_mask", False))
         num_blocks = int(kv_cache_config.num_blocks)
         sc = self.scheduler_config
         budget = getattr(sc, "max_num_scheduled_tokens", None) or sc.max_num_batched_tokens
+        # vLLM's names: max_num_seqs is the model runner's slot count; max_num_active_seqs (if
+        # set, at most max_num_seqs) caps admission into running, which is the core's limit.
+        self.max_num_running_reqs = int(sc.max_num_seqs)
+        self.max_num_active_reqs = int(getattr(sc, "max_num_active_seqs", None)
+                                       or sc.max_num_seqs)
+        self.max_num_scheduled_tokens = int(budget)
         chunked = bool(sc.enable_chunked_prefill)
         threshold = int(sc.long_prefill_token_threshold or 0) if chunked else 0
         self.core_config = atom_sched.SchedulerConfig(
             num_blocks=num_blocks,
             block_size=block_size,
-            max_num_seqs=sc.max_num_seqs,
+            max_num_seqs=self.max_num_active_reqs,
             max_num_batched_tokens=budget,
             max_model_len=self.max_model_len,
             enable_prefix_caching=bool(self.cache_config.enable_prefix_caching),
@@ -133,6 +142,9 @@ class AtomScheduler(SchedulerInterface):
             "prefix caching %s, chunked prefill %s, %s scheduling", num_blocks, block_size,
             sc.max_num_seqs, budget, "on" if self.core_config.enable_prefix_caching else "off",
             "on" if chunked else "off", self.core_config.scheduling)
+        # DP prefill balancing (schedule(throttle_prefills=True)): whether the last step that
+        # admitted prefills left requests waiting, as vLLM's scheduler keeps it.
+        self.prefill_capacity_bound = False
 
         self.requests: dict[str, Request] = {}
         self._tracked: dict[str, _Tracked] = {}
@@ -206,6 +218,13 @@ class AtomScheduler(SchedulerInterface):
             raise _refuse(f"the scheduling policy {sc.policy!r}", "use fcfs or priority.")
         if getattr(vllm_config, "lora_config", None) is not None:
             raise _refuse("LoRA adapters", "serve without --enable-lora.")
+        if getattr(vllm_config, "diffusion_config", None) is not None:
+            raise _refuse("diffusion language models (diffusion_config)",
+                          "they use vLLM's DiffusionScheduler.")
+        aux = getattr(vllm_config, "aux_output_config", None)
+        if aux is not None and aux.enabled:
+            raise _refuse("auxiliary outputs such as routed experts (aux_output_config)",
+                          "drop --enable-return-routed-experts.")
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -291,8 +310,15 @@ class AtomScheduler(SchedulerInterface):
         batch = None
         if self._pause_state != PauseState.PAUSED_ALL:
             # PAUSED_NEW: no prefill at all (the core has no "running prefills only" switch).
-            allow_prefill = self._pause_state == PauseState.UNPAUSED
+            # throttle_prefills (vLLM's DP prefill balancing): no prefill compute this step, new
+            # or a running request's next chunk, while a running request decodes, unless the
+            # last step that admitted prefills could not drain the waiting queue.
+            defer = (throttle_prefills and not self.prefill_capacity_bound
+                     and any(not r.is_prefill_chunk for r in self.running))
+            allow_prefill = self._pause_state == PauseState.UNPAUSED and not defer
             batch = self.core.schedule(allow_prefill=allow_prefill)
+            if allow_prefill:
+                self.prefill_capacity_bound = self.core.num_waiting > 0
         rejected = self._take_rejected()
         self._note_preemptions()
 
@@ -358,6 +384,8 @@ class AtomScheduler(SchedulerInterface):
                 tracked.num_blocks_sent = nblocks
                 tracked.on_runner = True
                 request.num_computed_tokens = start + n
+                # A row that ends short of the request's known tokens samples nothing.
+                request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -494,10 +522,14 @@ class AtomScheduler(SchedulerInterface):
                         request.stop_reason = last
                 finish_reason = request.get_finished_reason()
             new_logprobs = None
+            new_sampling_mask = None
             i = index.get(rid)
             if (tokens and logprobs is not None and i is not None
                     and request.sampling_params.logprobs is not None):
                 new_logprobs = logprobs.slice_request(i, len(tokens))
+            masks = getattr(mro, "sampling_masks", None)
+            if self.return_sampling_mask and tokens and masks is not None and i is not None:
+                new_sampling_mask = masks.slice_request(i, len(tokens))
             prefill_stats = request.take_prefill_stats()
             if prefill_stats is not None:
                 prefill_stats.finalize(int(cached[k]))
@@ -509,6 +541,7 @@ class AtomScheduler(SchedulerInterface):
                 new_token_ids=tokens,
                 finish_reason=finish_reason,
                 new_logprobs=new_logprobs,
+                new_sampling_mask=new_sampling_mask,
                 new_prompt_logprobs_tensors=prompt_logprobs.get(rid),
                 stop_reason=request.stop_reason,
                 events=request.take_events(),
@@ -517,6 +550,25 @@ class AtomScheduler(SchedulerInterface):
             ))
             if finish_reason is not None:
                 self._free(rid)
+
+    # ---- vLLM's Scheduler attributes engines and tools read -----------------------------------
+
+    @property
+    def running(self) -> list[Request]:
+        """The running requests, in the core's order (a snapshot: changing it changes nothing)."""
+        return self._requests_of(self.core.running_ids())
+
+    @property
+    def waiting(self) -> list[Request]:
+        """The waiting requests (preempted ones included), head first (a snapshot)."""
+        return self._requests_of(self.core.waiting_ids())
+
+    def _requests_of(self, core_ids: Iterable[int]) -> list[Request]:
+        by_id = self._by_core_id
+        return [self.requests[by_id[i]] for i in core_ids if i in by_id]
+
+    def reset_connector_cache(self) -> bool:
+        return True  # no KV connector: nothing to reset (vLLM's answer without one)
 
     # ---- the rest of SchedulerInterface -----------------------------------------------------
 

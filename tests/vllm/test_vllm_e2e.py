@@ -186,6 +186,8 @@ def test_accepts_a_plain_config_and_sizes_the_core_from_it():
     ({"model_config__is_encoder_decoder": True}, "encoder-decoder models"),
     ({"parallel_config__pipeline_parallel_size": 2}, "pipeline parallelism"),
     ({"scheduler_config__async_scheduling": True}, "async scheduling"),
+    ({"diffusion_config": object()}, "diffusion language models"),
+    ({"aux_output_config": SimpleNamespace(enabled=True)}, "routed experts"),
 ])
 def test_refuses_what_it_does_not_serve(override, words):
     from atom_sched.vllm import AtomScheduler, UnsupportedFeature
@@ -315,3 +317,35 @@ def test_protocol_with_preemption_and_rejection_against_a_stand_in_runner():
     assert out.finished_req_ids == {"c", "d"} and out.total_num_scheduled_tokens == 0
     s.update_from_output(out, runner.step(out))
     assert not s.has_requests() and s.core_stats()["num_aborted"] == 2
+
+
+def test_running_waiting_and_sampling_masks_against_a_stand_in_runner():
+    import numpy as np
+    from vllm.v1.outputs import SamplingMaskLists
+
+    from atom_sched.vllm import AtomScheduler
+
+    cfg, kv = _config(scheduler_config__max_num_seqs=2, model_config__return_sampling_mask=True)
+    s = AtomScheduler(cfg, kv, None, block_size=16)
+    runner = _Runner(16)
+    for rid in ("a", "b", "c"):
+        s.add_request(_request(rid, 14, 4))
+    assert [r.request_id for r in s.waiting] == ["a", "b", "c"] and s.running == []
+    out = s.schedule()
+    assert [r.request_id for r in s.running] == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["c"]
+    mro = runner.step(out)
+    assert mro.req_ids == ["a", "b"]
+    # CSR masks, one position per row: a kept {5, 6}, b kept {7}.
+    mro.sampling_masks = SamplingMaskLists(np.array([5, 6, 7], dtype=np.int32),
+                                           np.array([0, 2, 3]))
+    outs = {o.request_id: o for o in s.update_from_output(out, mro)[0].outputs}
+    assert outs["a"].new_sampling_mask.token_ids.tolist() == [5, 6]
+    assert outs["b"].new_sampling_mask.token_ids.tolist() == [7]
+    # Without return_sampling_mask the masks are not passed on (vLLM's rule).
+    s.return_sampling_mask = False
+    out = s.schedule()
+    mro = runner.step(out)
+    mro.sampling_masks = SamplingMaskLists(np.array([1, 2], dtype=np.int32), np.array([0, 1, 2]))
+    assert all(o.new_sampling_mask is None
+               for o in s.update_from_output(out, mro)[0].outputs)
