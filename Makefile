@@ -224,11 +224,15 @@ test: deps
 test-all: lint build-cuda check-hip test-hip-cpu test-hip-cpu-python gpu-check-rehearsal fuzz test-cpp test-asan test-python test-vllm
 
 # vLLM with atom_sched as its scheduler (docs/vllm.md), in a venv of its own (vLLM's CPU build,
-# 3.7 GB, about 10 min the first time, seconds after) and a build tree of its own.
+# 3.7 GB, about 10 min the first time, seconds after) and a build tree of its own. Then vLLM's own
+# scheduler tests (tests/v1/core, from its sdist) against the class, and as a control on vLLM's
+# scheduler (docs/vllm.md "vLLM's own scheduler tests"; about 1.5 min).
 VLLM_VENV := .venv-vllm
 test-vllm:
 	scripts/vllm_venv.sh
 	cd tests/vllm && $(CURDIR)/$(VLLM_VENV)/bin/python -m pytest -q .
+	VLLM_VENV=$(CURDIR)/$(VLLM_VENV) scripts/vllm_upstream_tests.sh
+	VLLM_VENV=$(CURDIR)/$(VLLM_VENV) scripts/vllm_upstream_tests.sh --control
 
 # The example engine (atom_sched/engine): SmolLM2-135M-Instruct on the CPU answers several prompts
 # served together (continuous batching; a 10-block KV pool and a 32-token budget, so chunked
