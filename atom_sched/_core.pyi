@@ -46,6 +46,7 @@ class SchedulerConfig:
     host_block_tables: bool
     preemption_victim: Literal["service_order", "least_computed"]
     sjf_aging_rate: float
+    admission_watermark_blocks: int
     def __init__(
         self,
         num_blocks: int,
@@ -70,6 +71,7 @@ class SchedulerConfig:
         host_block_tables: bool = True,
         preemption_victim: Literal["service_order", "least_computed"] = "service_order",
         sjf_aging_rate: float = 100.0,
+        admission_watermark_blocks: int = 0,
     ) -> None: ...
     def validate(self) -> None: ...
     @property

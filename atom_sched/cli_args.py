@@ -26,6 +26,17 @@ MAX_BLOCK_SIZE = 1_024  # tokens per KV block
 # block_size). The scheduler keeps about 16 bytes per entry (two batches, each with its block
 # tables and new-block ids), so this caps its tables at about 1 GiB.
 MAX_TABLE_ENTRIES = 2**26
+# The scheduling policies both subcommands offer (SchedulerConfig.scheduling, .preemption_victim)
+# and the bounds of SJF's aging rate (job tokens credited per second waited).
+SCHEDULINGS = ("fcfs", "priority", "sjf")
+VICTIMS = ("service_order", "least_computed")
+MIN_SJF_AGING, MAX_SJF_AGING = 1e-6, 1e9
+
+
+def sjf_aging_rate() -> Callable[[str], float]:
+    """The argparse type of --sjf-aging-rate."""
+    return finite_float(MIN_SJF_AGING, MAX_SJF_AGING,
+                        what=f"a number in [{MIN_SJF_AGING:g}, {MAX_SJF_AGING:g}]")
 
 
 def _plain(x: float) -> str:
@@ -90,6 +101,17 @@ def choice_list(choices: Iterable[str]) -> Callable[[str], tuple[str, ...]]:
             raise argparse.ArgumentTypeError(
                 f"must be one or more of {', '.join(allowed)}, separated by commas, got {s!r}")
         return tuple(dict.fromkeys(items))
+
+    return parse
+
+
+def int_list(lo: int, hi: int) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: comma-separated integers in lo..hi (each kept once, in the order
+    given)."""
+    one = bounded_int(lo, hi)
+
+    def parse(s: str) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(one(x) for x in s.split(",")))
 
     return parse
 

@@ -16,10 +16,13 @@ from ..cli_args import (
     MAX_BLOCK_SIZE,
     MAX_NUM_SEQS,
     MAX_TABLE_ENTRIES,
+    SCHEDULINGS,
+    VICTIMS,
     bounded_int,
     fail,
     finite_float,
     max_threads,
+    sjf_aging_rate,
     table_problem,
     text,
 )
@@ -89,6 +92,19 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     e.add_argument("--policy", choices=("atom", "mixed"), default="atom",
                    help="atom: a step prefills or decodes (ATOM's, default); mixed: every "
                         "running request decodes each step, prompts fill the budget left")
+    e.add_argument("--scheduling", choices=SCHEDULINGS, default="fcfs",
+                   help="the order requests are served in: fcfs (default), priority (all "
+                        "prompts here have priority 0), sjf (shortest --max-tokens first, aged "
+                        "at --sjf-aging-rate)")
+    e.add_argument("--preemption-victim", choices=VICTIMS, default="service_order",
+                   help="which running request a full KV pool preempts: service_order (the one "
+                        "served last, ATOM's; default) or least_computed")
+    e.add_argument("--sjf-aging-rate", type=sjf_aging_rate(), default=100.0,
+                   help="sjf: job tokens credited per second waited (default 100)")
+    e.add_argument("--admission-watermark", type=bounded_int(0, MAX_KV_TOKENS), default=0,
+                   metavar="BLOCKS",
+                   help="KV blocks an admission leaves free for the running requests' growth, "
+                        "fewer than --kv-blocks - 1 (default 0: admitted when it fits, ATOM's)")
     e.add_argument("--threads", type=bounded_int(1, max_threads()), default=None,
                    help=f"torch threads, 1..{max_threads()} (4 per core; default: cores - 1, "
                         "at least 1; with --disagg, 1 per engine)")
@@ -211,7 +227,10 @@ def check_args(args: argparse.Namespace) -> str | None:
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.chunk_size,
                         max_model_len=args.max_model_len,
-                        num_speculative_tokens=args.spec, policy=args.policy).validate()
+                        num_speculative_tokens=args.spec, policy=args.policy,
+                        scheduling=args.scheduling, preemption_victim=args.preemption_victim,
+                        sjf_aging_rate=args.sjf_aging_rate,
+                        admission_watermark_blocks=args.admission_watermark).validate()
         SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, min_tokens=args.min_tokens)
     except (TypeError, ValueError) as e:
@@ -312,6 +331,8 @@ def _engine_config(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.chunk_size, max_model_len=args.max_model_len,
         num_speculative_tokens=args.spec, one_step_ahead=args.one_step_ahead,
         enable_prefix_caching=not args.no_prefix_caching, policy=args.policy,
+        scheduling=args.scheduling, preemption_victim=args.preemption_victim,
+        sjf_aging_rate=args.sjf_aging_rate, admission_watermark_blocks=args.admission_watermark,
         ngram_max=args.ngram, seed=args.seed or 0)
 
 

@@ -8,6 +8,7 @@ per run; ``--rate`` gives the rate directly instead.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 import time
@@ -19,11 +20,15 @@ from ..cli_args import (
     INT64_MAX,
     MAX_NUM_SEQS,
     MAX_TABLE_ENTRIES,
+    SCHEDULINGS,
+    VICTIMS,
     bounded_int,
     choice_list,
     fail,
     finite_float,
+    int_list,
     output_dir,
+    sjf_aging_rate,
     table_problem,
     writable_dir,
 )
@@ -40,10 +45,7 @@ MAX_THINK_TIME = 3_600.0  # seconds
 MAX_STEP_A, MAX_STEP_B, MAX_STEP_C = 60.0, 1.0, 1.0  # seconds; per token; per context token
 MIN_RATE, MAX_RATE = 1e-6, 1e6  # conversations per second
 MAX_LOAD = 10.0
-MIN_AGING, MAX_AGING = 1e-6, 1e9  # SJF aging: job tokens credited per second waited
 MAX_HINT_ERROR = 3.0  # sigma of the length hint's log-normal error
-SCHEDULINGS = ("fcfs", "priority", "sjf")
-VICTIMS = ("service_order", "least_computed")
 
 
 def _nonnegative(hi: float) -> Any:
@@ -89,13 +91,15 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     s.add_argument("--victim", type=choice_list(VICTIMS), default=("service_order",),
                    help="preemption victim rule(s), comma-separated: service_order (the "
                         "request served last: ATOM's), least_computed (default service_order)")
-    s.add_argument("--sjf-aging-rate", type=finite_float(
-                       MIN_AGING, MAX_AGING, what=f"a number in [{MIN_AGING:g}, {MAX_AGING:g}]"),
-                   default=100.0,
+    s.add_argument("--sjf-aging-rate", type=sjf_aging_rate(), default=100.0,
                    help="sjf: job tokens credited per second waited (default 100)")
     s.add_argument("--length-hint-error", type=finite_float(0.0, MAX_HINT_ERROR), default=0.0,
                    help="sjf: the length hint is the reply's length times exp(N(0, E)), a "
                         f"predictor's error; 0..{MAX_HINT_ERROR:g} (default 0: exact lengths)")
+    s.add_argument("--watermark", type=int_list(0, MAX_KV_BLOCKS - 2), default=(0,),
+                   metavar="BLOCKS[,BLOCKS...]",
+                   help="admission_watermark_blocks to run, comma-separated: KV blocks an "
+                        "admission leaves free for the running requests (default 0: ATOM's)")
     s.add_argument("--decode-caching", choices=("on", "off", "both"), default="on",
                    help="cache_decode_blocks (default on)")
     s.add_argument("--kv-blocks", type=bounded_int(2, MAX_KV_BLOCKS), default=29_000,
@@ -153,24 +157,35 @@ def _schedulings(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _config(args: argparse.Namespace, policy: str, decode_caching: bool,
-            scheduling: str = "fcfs", victim: str = "service_order") -> SchedulerConfig:
+            scheduling: str = "fcfs", victim: str = "service_order",
+            watermark: int = 0) -> SchedulerConfig:
     return SchedulerConfig(
         num_blocks=args.kv_blocks, block_size=16, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.budget, max_model_len=args.max_model_len, policy=policy,
         scheduling=scheduling, preemption_victim=victim, sjf_aging_rate=args.sjf_aging_rate,
-        cache_decode_blocks=decode_caching)
+        admission_watermark_blocks=watermark, cache_decode_blocks=decode_caching)
 
 
-def _label(policy: str, scheduling: str, victim: str, caching: bool | None) -> str:
-    """A run's name: its batch policy, then what differs from ATOM's defaults."""
-    parts = [policy]
-    if scheduling != "fcfs":
-        parts.append(scheduling)
-    if victim != "service_order":
-        parts.append(victim.replace("_", " "))
-    if caching is not None:
-        parts.append("decode caching" if caching else "no decode caching")
-    return ", ".join(parts)
+def _runs(args: argparse.Namespace) -> list[tuple[str, SchedulerConfig]]:
+    """Every combination the flags ask for, named by its batch policy and then what differs
+    from ATOM's defaults."""
+    policies = ["atom", "mixed"] if args.policy == "both" else [args.policy]
+    cachings = [True, False] if args.decode_caching == "both" else [args.decode_caching == "on"]
+    runs = []
+    for policy, scheduling, victim, watermark, caching in itertools.product(
+            policies, _schedulings(args), args.victim, args.watermark, cachings):
+        parts = [policy]
+        if scheduling != "fcfs":
+            parts.append(scheduling)
+        if victim != "service_order":
+            parts.append(victim.replace("_", " "))
+        if watermark:
+            parts.append(f"watermark {watermark}")
+        if len(cachings) > 1:
+            parts.append("decode caching" if caching else "no decode caching")
+        runs.append((", ".join(parts),
+                     _config(args, policy, caching, scheduling, victim, watermark)))
+    return runs
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -185,7 +200,8 @@ def check_args(args: argparse.Namespace) -> str | None:
     if tables is not None:
         return tables
     try:
-        _config(args, "atom", True).validate()
+        for _, config in _runs(args):
+            config.validate()
     except ValueError as e:
         return str(e)
     return writable_dir("--out", args.out)  # last: it makes the folder
@@ -210,8 +226,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     model = StepTimeModel(args.step_a, args.step_b, args.step_c)
     turns = sum(len(c.turns) for c in convs)
-    policies = ["atom", "mixed"] if args.policy == "both" else [args.policy]
-    cachings = [True, False] if args.decode_caching == "both" else [args.decode_caching == "on"]
 
     def one(label: str, config: SchedulerConfig, rate: float) -> Any:
         bar = None
@@ -234,18 +248,11 @@ def run(args: argparse.Namespace) -> int:
     if rate is None:
         # The reference: ATOM's policy, in the workload's own order (priority with classes).
         sat = one("atom, saturated", _config(
-            args, "atom", cachings[0], "priority" if args.priority_classes > 1 else "fcfs"),
-            math.inf)
+            args, "atom", args.decode_caching != "off",
+            "priority" if args.priority_classes > 1 else "fcfs"), math.inf)
         results.append(sat)
         rate = args.load * len(convs) / sat.duration
-    for policy in policies:
-        for scheduling in _schedulings(args):
-            for victim in args.victim:
-                for caching in cachings:
-                    label = _label(policy, scheduling, victim,
-                                   None if len(cachings) == 1 else caching)
-                    results.append(one(label, _config(args, policy, caching, scheduling, victim),
-                                       rate))
+    results += [one(label, config, rate) for label, config in _runs(args)]
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"workload": args.workload, "conversations": len(convs), "turns": turns,
             "rate_conv_per_s": rate, "load": None if args.rate is not None else args.load,

@@ -238,8 +238,8 @@ def simulate(conversations: list[Conversation], config: SchedulerConfig, *, rate
     start = min((r.arrival for r in done), default=0.0)
     cfg = {name: getattr(config, name) for name in (
         "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-        "policy", "scheduling", "preemption_victim", "sjf_aging_rate", "cache_decode_blocks",
-        "enable_prefix_caching")}
+        "policy", "scheduling", "preemption_victim", "sjf_aging_rate",
+        "admission_watermark_blocks", "cache_decode_blocks", "enable_prefix_caching")}
     cfg["length_hint_error"] = float(length_hint_error)
     return SimResult(label=label, config=cfg, requests=done, duration=clock - start, steps=steps,
                      stats=sched.stats(), rate=rate, computed_tokens=computed,

@@ -116,14 +116,15 @@ int32_t BlockPool::leading_hits(std::span<const uint64_t> hashes, std::span<cons
 }
 
 int32_t BlockPool::can_allocate(std::span<const uint64_t> hashes, std::span<const int32_t> tokens,
-                                int32_t num_tokens, bool needs_state_slot) const {
+                                int32_t num_tokens, bool needs_state_slot,
+                                int32_t reserve) const {
   if (needs_state_slot && free_state_slots_.empty()) return -1;
   const int32_t num_needed = (num_tokens + block_size_ - 1) / block_size_;
   // The last block is never a hit, so prefill always computes at least one token. A hit held by
   // a live request needs no new block.
   int32_t shared = 0;
   const int32_t hits = leading_hits(hashes, tokens, num_needed - 1, shared);
-  return num_free_ >= num_needed - shared ? hits : -1;
+  return num_free_ - reserve >= num_needed - shared ? hits : -1;
 }
 
 [[gnu::always_inline]] inline void BlockPool::unlink_free(int32_t b) {

@@ -48,6 +48,9 @@ void SchedulerConfig::validate() const {
               preemption_victim == PreemptionVictim::kLeastComputed,
           "preemption_victim must be service order or least computed" +
               got(int64_t{static_cast<int>(preemption_victim)}));
+  require(admission_watermark_blocks >= 0 && admission_watermark_blocks < num_blocks - 1,
+          "admission_watermark_blocks must be in 0..num_blocks - 2 (it keeps blocks free "
+          "for running requests)" + got(int64_t{admission_watermark_blocks}));
   // (!(x > 0) also refuses NaN.)
   require(sjf_aging_rate > 0.0 && std::isfinite(sjf_aging_rate),
           "sjf_aging_rate must be a finite number > 0 (job tokens credited per second waited)" +

@@ -553,6 +553,7 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
   if (!step_victims_[next_buffer_].empty()) return;
   const int32_t bs = config_.block_size;
   const bool needs_state = config_.num_state_slots > 0;
+  const AdmissionHeadroom headroom{config_.admission_watermark_blocks};
   while (waiting_.size > 0 && b.num_rows < max_rows && num_running() < max_rows &&
          b.num_tokens < budget) {
     const int32_t s = waiting_.head;
@@ -565,7 +566,8 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
     // two batches outstanding it always has; this guard keeps the invariant explicit.
     if (r.num_inflight > 0) break;
     ensure_block_hashes(r, probe_blocks(r));
-    const int32_t hits = pool_.can_allocate(r.block_hashes, r.tokens, r.num_tokens(), needs_state);
+    const int32_t hits = pool_.can_allocate(r.block_hashes, r.tokens, r.num_tokens(), needs_state,
+                                            headroom(num_running()));
     if (hits < 0) break;  // head-of-line blocking, as ATOM
     r.prefix_hit_tokens = hits * bs;
     // The connector is asked only once the request fits (ATOM asked before, 8.5).
@@ -663,6 +665,7 @@ int32_t Scheduler::count_admittable_head_prefills(int32_t limit) {
   const int32_t budget = config_.max_num_batched_tokens;
   const int32_t bs = config_.block_size;
   const PrefillChunk chunk_of = prefill_chunk();
+  const AdmissionHeadroom headroom{config_.admission_watermark_blocks};
   int32_t count = 0, tokens = 0, blocks_taken = 0, probed = 0;
   for (int32_t s = waiting_.head; s >= 0 && probed < 4 && count < limit && tokens < budget;
        s = links_[s].next, ++probed) {
@@ -671,11 +674,12 @@ int32_t Scheduler::count_admittable_head_prefills(int32_t limit) {
     if (unschedulable_reason(r)) continue;  // the loop rejects it: it blocks nothing
     if (r.num_inflight > 0) break;
     ensure_block_hashes(r, probe_blocks(r));
+    const int32_t reserve = headroom(num_running() + count);
     const int32_t hits = pool_.can_allocate(r.block_hashes, r.tokens, r.num_tokens(),
-                                            config_.num_state_slots > 0);
+                                            config_.num_state_slots > 0, reserve);
     if (hits < 0) break;
     const int32_t fresh = ceil_div(r.num_tokens(), bs) - hits;  // upper bound: hits may be shared
-    if (blocks_taken + fresh > pool_.num_free_blocks()) break;
+    if (blocks_taken + fresh + reserve > pool_.num_free_blocks()) break;
     const int32_t chunk = chunk_of(r.num_tokens() - hits * bs, budget - tokens, r.preempted);
     if (chunk == 0) break;
     blocks_taken += fresh;

@@ -238,6 +238,62 @@ TEST(SchedulerTest, LongPrefillThresholdIsValidated) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// admission_watermark_blocks
+// ---------------------------------------------------------------------------------------------
+
+// 10 usable blocks of 4, watermark 2. A (16 tokens, 4 blocks) is admitted with nothing running
+// (no headroom needed); B (4 blocks) leaves 2 free: admitted; C (1 block) would leave 1: it
+// waits, where ATOM's rule (watermark 0) admits it.
+TEST(SchedulerTest, WatermarkKeepsBlocksFreeForRunningRequests) {
+  for (const int32_t watermark : {0, 2}) {
+    SCOPED_TRACE(testing::Message() << "watermark " << watermark);
+    SchedulerConfig c = Cfg(10);
+    c.enable_prefix_caching = false;
+    c.admission_watermark_blocks = watermark;
+    H h(c);
+    h.add(1, Seq(100, 16));
+    h.add(2, Seq(200, 16));
+    h.add(3, Seq(300, 4));
+    auto s1 = h.sched();
+    ASSERT_TRUE(s1);
+    EXPECT_EQ(s1->req_ids, watermark > 0 ? (V64{1, 2}) : (V64{1, 2, 3}));
+    EXPECT_EQ(h.s.waiting_ids(), watermark > 0 ? V64{3} : V64{});
+    EXPECT_EQ(h.s.block_pool().num_free_blocks(), watermark > 0 ? 2 : 1);
+    h.upd(*s1, watermark > 0 ? V{110, 210} : V{110, 210, 310});
+  }
+}
+
+// With nothing running the watermark does not apply: a request that needs all but one of the
+// usable blocks is admitted under a watermark of 5 (it would wait forever otherwise).
+TEST(SchedulerTest, WatermarkNeverBlocksARequestThatFitsAnEmptyPool) {
+  SchedulerConfig c = Cfg(10);
+  c.admission_watermark_blocks = 5;
+  H h(c);
+  h.add(1, Seq(100, 36));
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  EXPECT_EQ(s1->req_ids, V64{1});
+  h.upd(*s1, {110});
+  h.add(2, Seq(200, 4));  // one block: 1 is free, but 5 must stay free while 1 runs
+  EXPECT_EQ(h.s.count_admittable_head_prefills(4), 0);
+  auto s2 = h.sched();
+  ASSERT_TRUE(s2);
+  EXPECT_EQ(s2->req_ids, V64{1});
+  EXPECT_EQ(h.s.waiting_ids(), V64{2});
+}
+
+TEST(SchedulerTest, WatermarkIsValidated) {
+  for (const int32_t bad : {-1, 10, 11}) {
+    SchedulerConfig c = Cfg(10);  // num_blocks 11: at most 9
+    c.admission_watermark_blocks = bad;
+    EXPECT_THROW(c.validate(), InvalidArgument) << bad;
+  }
+  SchedulerConfig c = Cfg(10);
+  c.admission_watermark_blocks = 9;
+  EXPECT_NO_THROW(c.validate());
+}
+
+// ---------------------------------------------------------------------------------------------
 // The readiness probe admits as admission does
 // ---------------------------------------------------------------------------------------------
 
@@ -260,6 +316,7 @@ TEST(SchedulerTest, ReadinessProbeCountsWhatAdmissionAdmits) {
     c.enable_chunked_prefill = rng() % 2 == 0;
     if (c.enable_chunked_prefill && rng() % 2 == 0) c.long_prefill_token_threshold = pick(1, 20);
     c.scheduling = rng() % 2 == 0 ? SchedulingPolicy::kPriority : SchedulingPolicy::kFcfs;
+    if (rng() % 3 == 0 && c.num_blocks > 3) c.admission_watermark_blocks = pick(1, c.num_blocks - 3);
     H h(c);
     const int32_t n = pick(1, 6);
     for (int64_t id = 0; id < n; ++id) {

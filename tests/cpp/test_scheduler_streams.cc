@@ -181,6 +181,7 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
     c.policy = rng() % 2 == 0 ? BatchPolicy::kMixed : BatchPolicy::kAtom;
     c.scheduling = RandomScheduling(rng);
     c.preemption_victim = RandomVictim(rng);
+    if (rng() % 4 == 0) c.admission_watermark_blocks = pick(1, c.num_blocks / 4);
     if (c.enable_chunked_prefill && rng() % 3 == 0) c.long_prefill_token_threshold = pick(1, 12);
     c.host_block_tables = host_tables;
     const int32_t k = c.num_speculative_tokens;
@@ -331,6 +332,7 @@ AdmissionCounts MixedPreemptionStream(uint32_t seed, int64_t steps) {
   c.policy = BatchPolicy::kMixed;
   c.scheduling = RandomScheduling(rng);
   c.preemption_victim = RandomVictim(rng);
+  if (rng() % 4 == 0) c.admission_watermark_blocks = pick(1, c.num_blocks / 4);
   if (c.enable_chunked_prefill && rng() % 3 == 0) c.long_prefill_token_threshold = pick(1, 12);
   const int32_t k = c.num_speculative_tokens;
   Scheduler s(c);

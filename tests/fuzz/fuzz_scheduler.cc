@@ -98,6 +98,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   cfg.preemption_victim =
       in.next() & 1 ? PreemptionVictim::kLeastComputed : PreemptionVictim::kServiceOrder;
   if (cfg.scheduling == SchedulingPolicy::kSjf) cfg.sjf_aging_rate = 0.5 * (1 + in.below(8));
+  if (in.below(4) == 0) cfg.admission_watermark_blocks = in.below(cfg.num_blocks - 1);
   cfg.policy = in.below(3) == 0 ? BatchPolicy::kMixed : BatchPolicy::kAtom;
   if (cfg.enable_chunked_prefill && in.below(3) == 0)
     cfg.long_prefill_token_threshold = 1 + in.below(16);

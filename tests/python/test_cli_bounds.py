@@ -81,6 +81,12 @@ BAD_GENERATE = [
     (["--spec", "-1"], ["--spec"]),
     (["--ngram", "33"], ["--ngram"]),
     (["--ngram", "0"], ["--ngram"]),
+    (["--sjf-aging-rate", "0"], ["--sjf-aging-rate"]),
+    (["--sjf-aging-rate", "nan"], ["--sjf-aging-rate"]),
+    (["--scheduling", "lifo"], ["--scheduling"]),
+    (["--preemption-victim", "random"], ["--preemption-victim"]),
+    (["--admission-watermark", "-1"], ["--admission-watermark"]),
+    (["--admission-watermark", "511"], ["admission_watermark_blocks"]),
     # Combinations that failed only later: a KV pool of 2.6 M tokens (about 120 GB of float32
     # KV), and block tables of 65,536 rows x 8,194 blocks (8 GiB)
     (["--kv-blocks", "2600", "--block-size", "1024"], ["--kv-blocks", "--block-size"]),
@@ -127,6 +133,12 @@ BAD_SIMULATE = [
     (["--max-num-seqs", "65537"], ["--max-num-seqs"]),
     (["--kv-blocks", "4194305"], ["--kv-blocks"]),
     (["--conversations", "x"], ["--conversations"]),
+    (["--sjf-aging-rate", "1e10"], ["--sjf-aging-rate"]),
+    (["--length-hint-error", "4"], ["--length-hint-error"]),
+    (["--scheduling", "sjf,lifo"], ["--scheduling"]),
+    (["--victim", ""], ["--victim"]),
+    (["--watermark", "0,-1"], ["--watermark"]),
+    (["--kv-blocks", "100", "--watermark", "0,99"], ["admission_watermark_blocks"]),
     # Combinations: a zero step time (the saturation run's duration 0, a division by zero) and
     # block tables of 65,536 rows x 65,538 blocks
     (["--step-a", "0", "--step-b", "0", "--step-c", "0"], ["--step-a", "--step-b"]),

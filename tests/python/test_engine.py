@@ -139,6 +139,32 @@ def test_greedy_matches_transformers(tiny, tiny_reference, one_step_ahead, k):
         assert stats["num_accepted_draft_tokens"] > 0, "no draft was ever accepted"
 
 
+POLICIES = [("fcfs", "least_computed", False, 0), ("sjf", "service_order", True, 2),
+            ("sjf", "least_computed", False, 3)]
+
+
+@pytest.mark.parametrize("scheduling,victim,one_step_ahead,k", POLICIES,
+                         ids=[f"{s}-{v}-{'async' if a else 'sync'}-K{k}"
+                              for s, v, a, k in POLICIES])
+def test_policies_keep_the_greedy_answers(tiny, tiny_reference, scheduling, victim,
+                                          one_step_ahead, k):
+    """Issue 30: SJF (by length hints, aged) and least-computed victims reach the engine's
+    scheduler, and change the order of service only: with the small pool forcing preemption,
+    every answer is still transformers' greedy one."""
+    path, hf = tiny
+    eng = _engine(path, one_step_ahead, k, scheduling=scheduling, preemption_victim=victim,
+                  sjf_aging_rate=5.0)
+    assert (eng.sched_config.scheduling, eng.sched_config.preemption_victim) == (
+        scheduling, victim)
+    params = [GenerationParams(max_tokens=MAX_NEW, length_hint=MAX_NEW - 3 * i)
+              for i in range(len(_prompts()))]
+    outs = eng.generate(_prompts(), params)
+    assert eng.stats()["num_preemptions"] > 0, "the small KV pool should force preemption"
+    for prompt, out, ref in zip(_prompts(), outs, tiny_reference, strict=True):
+        res = check_greedy(hf, prompt, out.token_ids, MAX_NEW, EOS, reference=ref)
+        assert res.ok, res.detail
+
+
 def test_sampling_is_seeded_and_mode_independent(tiny):
     """Temperature / top-k / top-p sampling with a seed gives the same tokens in every protocol
     (draws depend on the seed and the position only), and another seed gives others."""

@@ -105,9 +105,10 @@ def test_cli_compares_the_policies(tmp_path, capsys):
                "--priority-classes", "2", "--out", str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "atom, saturated" in out and "\nmixed " in out and "priority 1 TTFT" in out
+    assert "atom, saturated" in out and "\nmixed, priority " in out and "priority 1 TTFT" in out
     data = json.loads((tmp_path / "sim.json").read_text())
-    assert [r["label"] for r in data["runs"]] == ["atom, saturated", "atom", "mixed"]
+    assert [r["label"] for r in data["runs"]] == ["atom, saturated", "atom, priority",
+                                                  "mixed, priority"]
     assert data["meta"]["step_time"] == {"a": 5e-3, "b": 40e-6, "c": 40e-9}
     assert (tmp_path / "latency.png").stat().st_size > 0
 

@@ -69,12 +69,13 @@ class BlockPool {
                                             int32_t max_blocks) const;
 
   /// ATOM's can_allocate for a request of `num_tokens` tokens: the number of leading cached blocks
-  /// (>= 0) if the whole request fits now, else -1. The last block is never a cache hit (so prefill
-  /// always computes at least one token): `hashes` must hold the chain hashes of at least
-  /// min(full blocks, ceil(num_tokens/bs) - 1) blocks when prefix caching is on. Pure.
+  /// (>= 0) if the whole request fits now with `reserve` blocks still free after it, else -1. The
+  /// last block is never a cache hit (so prefill always computes at least one token): `hashes`
+  /// must hold the chain hashes of at least min(full blocks, ceil(num_tokens/bs) - 1) blocks when
+  /// prefix caching is on. Pure.
   [[nodiscard]] int32_t can_allocate(std::span<const uint64_t> hashes,
                                      std::span<const int32_t> tokens, int32_t num_tokens,
-                                     bool needs_state_slot) const;
+                                     bool needs_state_slot, int32_t reserve = 0) const;
 
   /// Gives a request blocks for `num_tokens` tokens: the first `num_cached_blocks` are the cache
   /// hits can_allocate found (shared, ref count + 1), the rest fresh (lazily evicting their old

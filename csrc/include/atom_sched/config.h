@@ -57,6 +57,12 @@ struct SchedulerConfig {
   // request of J job tokens that arrived at T is served before every request arriving after
   // T + J / sjf_aging_rate. Finite and > 0.
   double sjf_aging_rate = 100.0;
+  // Admission headroom: a waiting request is admitted only if at least this many KV blocks stay
+  // free after its allocation, for the running requests' next decode blocks (vLLM's watermark,
+  // 1% of the pool there), so the pool runs out, and preempts, less often. It holds while any
+  // request runs: with none running, a request that fits is admitted (it could wait forever
+  // otherwise). 0: ATOM's rule, admitted when it fits.
+  int32_t admission_watermark_blocks = 0;
   // > 0: one request prefills at most this many tokens per step, so a long prompt cannot take
   // the whole budget (vLLM's; needs chunked prefill). 0: no cap.
   int32_t long_prefill_token_threshold = 0;

@@ -6,6 +6,7 @@
 //    default the one served last (the tail of `running`), or the one with the least to recompute.
 //  * PrefillChunk: how many uncomputed prompt tokens of one request a step prefills, or 0 when
 //    the request does not fit (admission stops there: head-of-line blocking, as ATOM).
+//  * AdmissionHeadroom: the KV blocks an admission must leave free.
 #pragma once
 
 #include <algorithm>
@@ -56,6 +57,18 @@ struct VictimChoice {
     if (policy == SchedulingPolicy::kPriority && a.priority != b.priority)
       return a.priority > b.priority;
     return a.num_computed_tokens < b.num_computed_tokens;
+  }
+};
+
+struct AdmissionHeadroom {
+  int32_t watermark_blocks = 0;  // SchedulerConfig::admission_watermark_blocks
+
+  /// Blocks that must stay free after admitting a request while `running` requests run (those
+  /// admitted earlier in the same step included): the watermark, for their next decode blocks.
+  /// With none running, nothing: a request that fits the pool is admitted, or it could wait
+  /// forever.
+  [[nodiscard]] int32_t operator()(int32_t running) const noexcept {
+    return running > 0 ? watermark_blocks : 0;
   }
 };
 

@@ -1,9 +1,10 @@
 """Issue 30 items 1 and 2 through the Python API: preemption_victim="least_computed" (the running
 request with the fewest computed tokens is preempted first, within the lowest priority under
-priority scheduling) and scheduling="sjf" (shortest job first by length_hint or max_tokens, aged
-at sjf_aging_rate job tokens a second). Runs go through the Driver (invariants and batch checks
-after every call) in both step protocols, with and without drafts, and end with the oracle's
-tokens; the simulator and its command line run every combination."""
+priority scheduling), admission_watermark_blocks (admissions leave blocks free for the running
+requests, which cuts the recompute tax) and scheduling="sjf" (shortest job first by length_hint
+or max_tokens, aged at sjf_aging_rate job tokens a second). Runs go through the Driver
+(invariants and batch checks after every call) in both step protocols, with and without drafts,
+and end with the oracle's tokens; the simulator and its command line run every combination."""
 
 import copy
 import json
@@ -37,6 +38,38 @@ def test_config_fields_are_validated_and_kept():
     for bad in (0.0, -1.0, math.nan, math.inf):
         with pytest.raises(ValueError, match="sjf_aging_rate must be a finite number > 0"):
             Scheduler(SchedulerConfig(num_blocks=16, scheduling="sjf", sjf_aging_rate=bad))
+
+
+def test_watermark_is_kept_validated_and_keeps_blocks_free():
+    c = SchedulerConfig(num_blocks=11, block_size=4, admission_watermark_blocks=2,
+                        enable_prefix_caching=False)
+    assert c.admission_watermark_blocks == 2
+    assert pickle.loads(pickle.dumps(c)).admission_watermark_blocks == 2
+    assert SchedulerConfig(num_blocks=11).admission_watermark_blocks == 0
+    for bad in (-1, 10):
+        with pytest.raises(ValueError, match=r"admission_watermark_blocks must be in "
+                                             r"0\.\.num_blocks - 2"):
+            Scheduler(SchedulerConfig(num_blocks=11, admission_watermark_blocks=bad))
+    # 10 usable blocks: 16, 16 and 4 tokens take 4, 4 and 1; the third would leave 1 < 2 free.
+    s = Scheduler(c)
+    for rid, n in enumerate((16, 16, 4)):
+        s.add_request(rid, prompt(n, 100 * rid), SamplingParams())
+    b = s.schedule()
+    assert list(b.req_ids) == [0, 1] and s.waiting_ids() == [2]
+    assert s.num_free_blocks == 2
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("k", [0, 2])
+def test_watermark_runs_agree_with_the_oracle(mode, k):
+    d = make_driver(mode, num_blocks=9, block_size=4, num_speculative_tokens=k,
+                    admission_watermark_blocks=2)
+    for rid in range(6):
+        d.add(rid, prompt(6 + rid, 100 * rid), sp(max_tokens=12))
+    d.run()
+    d.check_all_done()
+    d.check_against_oracle()
 
 
 def test_length_hint_is_kept_and_validated():
@@ -120,7 +153,8 @@ def test_simulator_runs_every_policy_and_records_it():
             cfg = SchedulerConfig(num_blocks=120, block_size=16, max_num_seqs=16,
                                   max_num_batched_tokens=256, max_model_len=1024,
                                   scheduling=scheduling, preemption_victim=victim)
-            r = simulate(convs, cfg, rate=math.inf, length_hint_error=0.5 if scheduling == "sjf" else 0.0)
+            r = simulate(convs, cfg, rate=math.inf,
+                         length_hint_error=0.5 if scheduling == "sjf" else 0.0)
             assert len(r.requests) == 40 and r.stats["num_preemptions"] > 0
             assert (r.config["scheduling"], r.config["preemption_victim"]) == (scheduling, victim)
             results[scheduling, victim] = r
@@ -149,15 +183,19 @@ def test_simulate_cli_runs_the_cross_product(tmp_path, capsys):
     assert main(["simulate", "--workload", "chat", "--conversations", "30", "--rate", "5",
                  "--kv-blocks", "200", "--policy", "mixed", "--scheduling", "fcfs,sjf",
                  "--victim", "service_order,least_computed", "--sjf-aging-rate", "50",
+                 "--watermark", "0,4",
                  "--length-hint-error", "0.3", "--no-progress", "--out", str(out)]) == 0
     runs = json.loads((out / "sim.json").read_text())["runs"]
-    assert [r["label"] for r in runs] == ["mixed", "mixed, least computed", "mixed, sjf",
-                                          "mixed, sjf, least computed"]
-    assert {(r["config"]["scheduling"], r["config"]["preemption_victim"]) for r in runs} == {
-        ("fcfs", "service_order"), ("fcfs", "least_computed"), ("sjf", "service_order"),
-        ("sjf", "least_computed")}
+    assert [r["label"] for r in runs] == [
+        "mixed", "mixed, watermark 4", "mixed, least computed",
+        "mixed, least computed, watermark 4", "mixed, sjf", "mixed, sjf, watermark 4",
+        "mixed, sjf, least computed", "mixed, sjf, least computed, watermark 4"]
+    assert [(r["config"]["scheduling"], r["config"]["preemption_victim"],
+             r["config"]["admission_watermark_blocks"]) for r in runs] == [
+        (s, v, w) for s in ("fcfs", "sjf") for v in ("service_order", "least_computed")
+        for w in (0, 4)]
     assert all(r["config"]["sjf_aging_rate"] == 50 for r in runs)
-    assert "mixed, sjf, least computed" in capsys.readouterr().out
+    assert "mixed, sjf, least computed, watermark 4" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flag, value", [("--scheduling", "fifo"), ("--scheduling", "fcfs,"),
