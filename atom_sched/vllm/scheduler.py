@@ -32,6 +32,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 from vllm.v1.request import Request, RequestStatus
 
 import atom_sched
+from atom_sched.vllm.options import policy_options
 
 # Under vLLM's logger, so that its handlers (the server's log) show these lines.
 logger = logging.getLogger("vllm.atom_sched")
@@ -120,6 +121,7 @@ class AtomScheduler(SchedulerInterface):
         self.max_num_scheduled_tokens = int(budget)
         chunked = bool(sc.enable_chunked_prefill)
         threshold = int(sc.long_prefill_token_threshold or 0) if chunked else 0
+        policies = policy_options(getattr(vllm_config, "additional_config", None), str(sc.policy))
         self.core_config = atom_sched.SchedulerConfig(
             num_blocks=num_blocks,
             block_size=block_size,
@@ -133,15 +135,17 @@ class AtomScheduler(SchedulerInterface):
             # comes with each request and may differ between them.
             eos_token_id=-1,
             policy="mixed",
-            scheduling="priority" if str(sc.policy) == "priority" else "fcfs",
             long_prefill_token_threshold=threshold,
+            **policies,
         )
         self.core = atom_sched.Scheduler(self.core_config)
+        c = self.core_config
         logger.info(
             "atom_sched scheduler: %d KV blocks of %d tokens, max_num_seqs=%d, %d tokens a step, "
-            "prefix caching %s, chunked prefill %s, %s scheduling", num_blocks, block_size,
-            sc.max_num_seqs, budget, "on" if self.core_config.enable_prefix_caching else "off",
-            "on" if chunked else "off", self.core_config.scheduling)
+            "prefix caching %s, chunked prefill %s, %s scheduling, %s victims, admission "
+            "watermark %d blocks", num_blocks, block_size, sc.max_num_seqs, budget,
+            "on" if c.enable_prefix_caching else "off", "on" if chunked else "off",
+            c.scheduling, c.preemption_victim, c.admission_watermark_blocks)
         # DP prefill balancing (schedule(throttle_prefills=True)): whether the last step that
         # admitted prefills left requests waiting, as vLLM's scheduler keeps it.
         self.prefill_capacity_bound = False
@@ -256,8 +260,7 @@ class AtomScheduler(SchedulerInterface):
             ignore_eos=True,  # EOS is one of the request's stop ids above (none if ignore_eos)
             stop_token_ids=stops,
             min_tokens=min(int(sp.min_tokens or 0), max(1, int(request.max_tokens))),
-            priority=int(request.priority) if str(self.scheduler_config.policy) == "priority"
-            else 0,
+            priority=int(request.priority) if self.core_config.scheduling == "priority" else 0,
             cache_salt=request.cache_salt or "",
             lora_name=lora.lora_name if lora is not None else "",
         )

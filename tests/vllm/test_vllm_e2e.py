@@ -113,6 +113,25 @@ def test_preemption_under_a_small_kv_pool_gives_vllms_answers():
     assert ours["core_stats"]["num_finished"] == len(SAMPLING)
 
 
+def test_atom_sched_policies_keep_vllms_answers_under_preemption():
+    """Issue 30's policies through vLLM's additional_config: SJF (by max_tokens) with
+    least-computed victims changes whom the small pool serves first, not what it answers; an
+    admission watermark of one block on top leaves the running requests room to grow, and the
+    pool preempts less."""
+    policies = {"scheduling": "sjf", "preemption_victim": "least_computed"}
+    theirs = run("vllm", SMALL_KV)
+    ours = run("atom", {**SMALL_KV, "additional_config": {"atom_sched": policies}})
+    held = run("atom", {**SMALL_KV, "additional_config": {
+        "atom_sched": {**policies, "admission_watermark_blocks": 1}}})
+    print(f"preemptions: sjf + least computed {ours['preemptions']}, with a watermark "
+          f"{held['preemptions']}")
+    assert ours["preemptions"] > held["preemptions"]
+    for res in (ours, held):
+        _same_answers(res, theirs)
+        _check_stop_rules(res["outputs"])
+        assert res["core_stats"]["num_finished"] == len(SAMPLING)
+
+
 def test_abort_through_finish_requests():
     aborted = 3
     ours = run("atom", PREFIX_CHUNKED, scenario="abort", abort_after=6,
@@ -211,6 +230,47 @@ def test_refuses_hybrid_and_sliding_window_kv_caches():
                            sliding_window=128)
     kv.kv_cache_groups = [KVCacheGroupSpec(["l0"], sw)]
     with pytest.raises(UnsupportedFeature, match="SlidingWindowSpec"):
+        AtomScheduler(cfg, kv, None, block_size=16)
+
+
+def test_atom_sched_policies_through_additional_config():
+    from atom_sched.vllm import AtomScheduler
+
+    cfg, kv = _config(additional_config={"atom_sched": {
+        "scheduling": "sjf", "preemption_victim": "least_computed", "sjf_aging_rate": 20,
+        "admission_watermark_blocks": 3}})
+    c = AtomScheduler(cfg, kv, None, block_size=16).core_config
+    assert (c.scheduling, c.preemption_victim, c.sjf_aging_rate,
+            c.admission_watermark_blocks) == ("sjf", "least_computed", 20.0, 3)
+    # vLLM's priority policy alone, and with a victim rule.
+    cfg, kv = _config(scheduler_config__policy="priority",
+                      additional_config={"atom_sched": {"preemption_victim": "least_computed"}})
+    c = AtomScheduler(cfg, kv, None, block_size=16).core_config
+    assert (c.scheduling, c.preemption_victim) == ("priority", "least_computed")
+    cfg, kv = _config(additional_config={"other_plugin": 1})
+    c = AtomScheduler(cfg, kv, None, block_size=16).core_config
+    assert (c.scheduling, c.preemption_victim, c.admission_watermark_blocks) == (
+        "fcfs", "service_order", 0)
+
+
+@pytest.mark.parametrize("opts, policy, words", [
+    ([], "fcfs", "must be a dict"),
+    ({"victim": "x"}, "fcfs", "unknown key"),
+    ({"scheduling": "lifo"}, "fcfs", "scheduling must be one of"),
+    ({"scheduling": "sjf"}, "priority", "only with it"),
+    ({"scheduling": "priority"}, "fcfs", "only with it"),
+    ({"preemption_victim": "random"}, "fcfs", "preemption_victim must be one of"),
+    ({"sjf_aging_rate": "fast"}, "fcfs", "sjf_aging_rate must be a finite number"),
+    ({"sjf_aging_rate": float("nan")}, "fcfs", "sjf_aging_rate must be a finite number"),
+    ({"sjf_aging_rate": 0}, "fcfs", "sjf_aging_rate must be a finite number > 0"),
+    ({"admission_watermark_blocks": True}, "fcfs", "admission_watermark_blocks must be an int"),
+    ({"admission_watermark_blocks": 63}, "fcfs", "admission_watermark_blocks must be in"),
+])
+def test_bad_atom_sched_policies_are_refused_at_construction(opts, policy, words):
+    from atom_sched.vllm import AtomScheduler
+
+    cfg, kv = _config(scheduler_config__policy=policy, additional_config={"atom_sched": opts})
+    with pytest.raises(ValueError, match=words):
         AtomScheduler(cfg, kv, None, block_size=16)
 
 
@@ -349,3 +409,26 @@ def test_running_waiting_and_sampling_masks_against_a_stand_in_runner():
     mro.sampling_masks = SamplingMaskLists(np.array([1, 2], dtype=np.int32), np.array([0, 1, 2]))
     assert all(o.new_sampling_mask is None
                for o in s.update_from_output(out, mro)[0].outputs)
+
+
+@pytest.mark.parametrize("scheduling", ["fcfs", "sjf"])
+def test_sjf_serves_the_shorter_request_first_against_a_stand_in_runner(scheduling):
+    from atom_sched.vllm import AtomScheduler
+
+    cfg, kv = _config(additional_config={"atom_sched": {"scheduling": scheduling}})
+    s = AtomScheduler(cfg, kv, None, block_size=16)
+    runner = _Runner(16)
+    s.add_request(_request("long", 14, 40))
+    s.add_request(_request("short", 14, 2))
+    out = s.schedule()
+    order = [r.req_id for r in out.scheduled_new_reqs]
+    assert order == (["short", "long"] if scheduling == "sjf" else ["long", "short"])
+    assert s.running == [s.requests[rid] for rid in order]
+    finished = []
+    for _ in range(60):
+        for eco in s.update_from_output(out, runner.step(out)).values():
+            finished += [o.request_id for o in eco.outputs if o.finish_reason is not None]
+        if not s.has_requests():
+            break
+        out = s.schedule()
+    assert finished == ["short", "long"]

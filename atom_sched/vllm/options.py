@@ -1,0 +1,62 @@
+"""atom_sched's own policies for vLLM users: the ``"atom_sched"`` entry of vLLM's
+``additional_config`` (``--additional-config '{"atom_sched": {"scheduling": "sjf"}}'`` or
+``LLM(..., additional_config={...})``), checked and turned into SchedulerConfig keywords.
+
+vLLM has no field for these, and ``additional_config`` is its place for options of plugged-in
+components. vLLM's own ``--scheduling-policy`` still chooses priority scheduling.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+KEY = "atom_sched"
+SCHEDULINGS = ("fcfs", "priority", "sjf")
+VICTIMS = ("service_order", "least_computed")
+
+
+def _bad(what: str) -> ValueError:
+    return ValueError(f'additional_config["{KEY}"]: {what}')
+
+
+def policy_options(additional_config: Any, vllm_policy: str) -> dict[str, Any]:
+    """The core's scheduling, preemption_victim, sjf_aging_rate and admission_watermark_blocks
+    for vLLM's `additional_config` and scheduling policy ("fcfs" or "priority"). ValueError,
+    naming the key, for an unknown key or a value of the wrong kind; the core checks the ranges
+    when the scheduler is built (also a ValueError)."""
+    opts = additional_config.get(KEY) if isinstance(additional_config, dict) else None
+    if opts is None:
+        return {"scheduling": vllm_policy}
+    if not isinstance(opts, dict):
+        raise _bad(f"must be a dict, got {type(opts).__name__}")
+    known = ("scheduling", "preemption_victim", "sjf_aging_rate", "admission_watermark_blocks")
+    unknown = sorted(str(k) for k in opts if k not in known)
+    if unknown:
+        raise _bad(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    out: dict[str, Any] = {}
+    scheduling = opts.get("scheduling", vllm_policy)
+    if scheduling not in SCHEDULINGS:
+        raise _bad(f"scheduling must be one of {', '.join(SCHEDULINGS)}, got {scheduling!r}")
+    # Priorities come with vLLM's requests only under its priority policy, and that policy
+    # means priority scheduling: the two settings must agree.
+    if (scheduling == "priority") != (vllm_policy == "priority"):
+        raise _bad(f"scheduling {scheduling!r} with vLLM's scheduling policy {vllm_policy!r}: "
+                   "priority scheduling is vLLM's --scheduling-policy priority, and only "
+                   "with it")
+    out["scheduling"] = scheduling
+    victim = opts.get("preemption_victim", "service_order")
+    if victim not in VICTIMS:
+        raise _bad(f"preemption_victim must be one of {', '.join(VICTIMS)}, got {victim!r}")
+    out["preemption_victim"] = victim
+    if "sjf_aging_rate" in opts:
+        rate = opts["sjf_aging_rate"]
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate):
+            raise _bad(f"sjf_aging_rate must be a finite number, got {rate!r}")
+        out["sjf_aging_rate"] = float(rate)
+    if "admission_watermark_blocks" in opts:
+        blocks = opts["admission_watermark_blocks"]
+        if isinstance(blocks, bool) or not isinstance(blocks, int):
+            raise _bad(f"admission_watermark_blocks must be an int, got {blocks!r}")
+        out["admission_watermark_blocks"] = blocks
+    return out
