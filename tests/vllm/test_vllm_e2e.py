@@ -23,6 +23,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from stand_in import StandInRunner, make_request  # noqa: E402  (tests/vllm/stand_in.py)
+
 HERE = Path(__file__).resolve().parent
 
 # Per prompt of vllm_run.QUESTIONS: the cases a scheduler must stop or not stop on.
@@ -274,62 +276,7 @@ def test_bad_atom_sched_policies_are_refused_at_construction(opts, policy, words
         AtomScheduler(cfg, kv, None, block_size=16)
 
 
-# ---- the protocol against a stand-in model runner (no model needed) --------------------------
-
-
-class _Runner:
-    """Keeps per request what vLLM's V1 model runner keeps (gpu_model_runner._update_states):
-    block ids appended, or replaced on a resume; dropped when finished."""
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self.blocks: dict[str, list[int]] = {}
-        self.tokens: dict[str, int] = {}  # tokens the runner knows (prompt and outputs)
-
-    def step(self, out, token: int = 7):
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        for rid in out.finished_req_ids:
-            self.blocks.pop(rid, None)
-            self.tokens.pop(rid, None)
-        computed = {}
-        for new in out.scheduled_new_reqs:
-            assert new.req_id not in self.blocks
-            self.blocks[new.req_id] = list(new.block_ids[0])
-            self.tokens[new.req_id] = len(new.prompt_token_ids)
-            computed[new.req_id] = new.num_computed_tokens
-        c = out.scheduled_cached_reqs
-        for i, rid in enumerate(c.req_ids):
-            ids = c.new_block_ids[i]
-            if rid in c.resumed_req_ids:
-                self.blocks[rid] = list(ids[0])
-            elif ids is not None:
-                self.blocks[rid].extend(ids[0])
-            computed[rid] = c.num_computed_tokens[i]
-        req_ids, sampled = [], []
-        for rid, n in out.num_scheduled_tokens.items():
-            end = computed[rid] + n
-            blocks = self.blocks[rid]
-            assert 0 not in blocks, "the null block was handed out"
-            assert len(blocks) * self.block_size >= end, "positions without a block"
-            req_ids.append(rid)
-            if end >= self.tokens[rid]:
-                sampled.append([token])
-                self.tokens[rid] += 1
-            else:
-                sampled.append([])
-        return ModelRunnerOutput(req_ids=req_ids,
-                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled)
-
-
-def _request(rid: str, n: int, max_tokens: int):
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    return Request(request_id=rid, prompt_token_ids=list(range(1, n + 1)), sampling_params=sp,
-                   pooling_params=None)
+# ---- the protocol against a stand-in model runner (stand_in.py; no model needed) ------------
 
 
 def test_protocol_with_preemption_and_rejection_against_a_stand_in_runner():
@@ -340,10 +287,10 @@ def test_protocol_with_preemption_and_rejection_against_a_stand_in_runner():
     cfg, kv = _config()
     kv.num_blocks = 4  # three usable blocks of 16 tokens
     s = AtomScheduler(cfg, kv, None, block_size=16, log_stats=True)
-    runner = _Runner(16)
-    s.add_request(_request("a", 14, 8))
-    s.add_request(_request("b", 14, 8))
-    s.add_request(_request("big", 60, 4))  # four blocks: more than the pool holds
+    runner = StandInRunner(16)
+    s.add_request(make_request("a", 14, 8))
+    s.add_request(make_request("b", 14, 8))
+    s.add_request(make_request("big", 60, 4))  # four blocks: more than the pool holds
     seen_preempted, seen_resumed, finished, outputs = set(), set(), {}, {}
     for _ in range(100):
         if not s.has_requests():
@@ -365,8 +312,8 @@ def test_protocol_with_preemption_and_rejection_against_a_stand_in_runner():
     assert not s.requests and not runner.blocks and s.get_kv_cache_usage() == 0.0
     assert s.get_request_counts() == (0, 0)
     # Aborts: finish_requests ends a waiting and a running request and reports them once.
-    s.add_request(_request("c", 14, 8))
-    s.add_request(_request("d", 14, 8))
+    s.add_request(make_request("c", 14, 8))
+    s.add_request(make_request("d", 14, 8))
     out = s.schedule()
     s.update_from_output(out, runner.step(out))
     done = s.finish_requests(["c", "d", "nope"], RequestStatus.FINISHED_ABORTED)
@@ -387,9 +334,9 @@ def test_running_waiting_and_sampling_masks_against_a_stand_in_runner():
 
     cfg, kv = _config(scheduler_config__max_num_seqs=2, model_config__return_sampling_mask=True)
     s = AtomScheduler(cfg, kv, None, block_size=16)
-    runner = _Runner(16)
+    runner = StandInRunner(16)
     for rid in ("a", "b", "c"):
-        s.add_request(_request(rid, 14, 4))
+        s.add_request(make_request(rid, 14, 4))
     assert [r.request_id for r in s.waiting] == ["a", "b", "c"] and s.running == []
     out = s.schedule()
     assert [r.request_id for r in s.running] == ["a", "b"]
@@ -417,9 +364,9 @@ def test_sjf_serves_the_shorter_request_first_against_a_stand_in_runner(scheduli
 
     cfg, kv = _config(additional_config={"atom_sched": {"scheduling": scheduling}})
     s = AtomScheduler(cfg, kv, None, block_size=16)
-    runner = _Runner(16)
-    s.add_request(_request("long", 14, 40))
-    s.add_request(_request("short", 14, 2))
+    runner = StandInRunner(16)
+    s.add_request(make_request("long", 14, 40))
+    s.add_request(make_request("short", 14, 2))
     out = s.schedule()
     order = [r.req_id for r in out.scheduled_new_reqs]
     assert order == (["short", "long"] if scheduling == "sjf" else ["long", "short"])

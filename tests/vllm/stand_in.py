@@ -1,0 +1,83 @@
+"""A stand-in for vLLM's V1 model runner and a vLLM ``Request`` factory, model-free.
+
+Shared by the protocol tests (test_vllm_e2e.py) and the speed benchmark
+(benchmarks/vllm_scheduler_bench.py), which drive a scheduler class (vLLM's own or
+``AtomScheduler``) without a model: the stand-in keeps, per request, what vLLM's V1 runner keeps
+(``gpu_model_runner._update_states``), checks that every scheduled position has a block that is
+not the null block, and answers each step with a ``ModelRunnerOutput`` that samples one token for
+every row that reaches the end of its request's known tokens.
+
+vLLM is imported inside the functions, so that a module importing this one can skip cleanly
+(``pytest.importorskip("vllm")``) where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+class StandInRunner:
+    """Keeps per request what vLLM's V1 model runner keeps: block ids appended, or replaced on a
+    resume; dropped when finished. ``step(scheduler_output)`` returns the ``ModelRunnerOutput``."""
+
+    def __init__(self, block_size: int, token: int = 7) -> None:
+        self.block_size = block_size
+        self.token = token
+        self.blocks: dict[str, list[int]] = {}
+        self.tokens: dict[str, int] = {}  # tokens the runner knows (prompt and outputs)
+
+    def step(self, out: Any, token: int | None = None) -> Any:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        token = self.token if token is None else token
+        for rid in out.finished_req_ids:
+            self.blocks.pop(rid, None)
+            self.tokens.pop(rid, None)
+        computed = {}
+        for new in out.scheduled_new_reqs:
+            assert new.req_id not in self.blocks
+            self.blocks[new.req_id] = list(new.block_ids[0])
+            self.tokens[new.req_id] = len(new.prompt_token_ids)
+            computed[new.req_id] = new.num_computed_tokens
+        c = out.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            ids = c.new_block_ids[i]
+            if rid in c.resumed_req_ids:
+                self.blocks[rid] = list(ids[0])
+            elif ids is not None:
+                self.blocks[rid].extend(ids[0])
+            computed[rid] = c.num_computed_tokens[i]
+        req_ids, sampled = [], []
+        for rid, n in out.num_scheduled_tokens.items():
+            end = computed[rid] + n
+            blocks = self.blocks[rid]
+            assert 0 not in blocks, "the null block was handed out"
+            assert len(blocks) * self.block_size >= end, "positions without a block"
+            req_ids.append(rid)
+            if end >= self.tokens[rid]:
+                sampled.append([token])
+                self.tokens[rid] += 1
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(req_ids=req_ids,
+                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled)
+
+
+def make_request(rid: str, prompt: list[int] | int, max_tokens: int, *,
+                 eos_token_id: int | None = None,
+                 block_hasher: Callable[[Any], list[Any]] | None = None) -> Any:
+    """A vLLM ``Request`` with greedy ``SamplingParams``. ``prompt`` is the token ids, or a
+    length n for the ids 1..n. With ``eos_token_id`` the request stops on it, as after vLLM's
+    ``update_from_generation_config``; ``block_hasher`` is what vLLM's engine core gives each
+    request when prefix caching is on (``get_request_block_hasher``)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    if eos_token_id is not None:
+        sp.update_from_generation_config({}, eos_token_id)
+    ids = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
+    return Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp,
+                   pooling_params=None, block_hasher=block_hasher)
