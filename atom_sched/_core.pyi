@@ -1,7 +1,7 @@
 """Typed stubs of the compiled module atom_sched._core (checked against it by
 tests/python/test_stubs.py)."""
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -39,7 +39,7 @@ class SchedulerConfig:
     enable_kv_events: bool
     num_state_slots: int
     policy: Literal["atom", "mixed"]
-    scheduling: Literal["fcfs", "priority", "sjf"]
+    scheduling: Literal["fcfs", "priority", "sjf", "fair"]
     long_prefill_token_threshold: int
     cache_decode_blocks: bool
     uniform_decode_rows: bool
@@ -47,6 +47,7 @@ class SchedulerConfig:
     preemption_victim: Literal["service_order", "least_computed"]
     sjf_aging_rate: float
     admission_watermark_blocks: int
+    tenant_weights: dict[str, float]
     def __init__(
         self,
         num_blocks: int,
@@ -64,7 +65,7 @@ class SchedulerConfig:
         enable_kv_events: bool = False,
         num_state_slots: int = 0,
         policy: Literal["atom", "mixed"] = "atom",
-        scheduling: Literal["fcfs", "priority", "sjf"] = "fcfs",
+        scheduling: Literal["fcfs", "priority", "sjf", "fair"] = "fcfs",
         long_prefill_token_threshold: int = 0,
         cache_decode_blocks: bool = True,
         uniform_decode_rows: bool = False,
@@ -72,6 +73,7 @@ class SchedulerConfig:
         preemption_victim: Literal["service_order", "least_computed"] = "service_order",
         sjf_aging_rate: float = 100.0,
         admission_watermark_blocks: int = 0,
+        tenant_weights: Mapping[str, float] = ...,
     ) -> None: ...
     def validate(self) -> None: ...
     @property
@@ -93,6 +95,7 @@ class SamplingParams:
     cache_salt: str
     lora_name: str
     length_hint: int
+    tenant: str
     def __init__(
         self,
         *,
@@ -111,6 +114,7 @@ class SamplingParams:
         cache_salt: str = "",
         lora_name: str = "",
         length_hint: int = 0,
+        tenant: str = "",
     ) -> None: ...
     def validate(self) -> None: ...
 

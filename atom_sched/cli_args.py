@@ -28,7 +28,7 @@ MAX_BLOCK_SIZE = 1_024  # tokens per KV block
 MAX_TABLE_ENTRIES = 2**26
 # The scheduling policies both subcommands offer (SchedulerConfig.scheduling, .preemption_victim)
 # and the bounds of SJF's aging rate (job tokens credited per second waited).
-SCHEDULINGS = ("fcfs", "priority", "sjf")
+SCHEDULINGS = ("fcfs", "priority", "sjf", "fair")
 VICTIMS = ("service_order", "least_computed")
 MIN_SJF_AGING, MAX_SJF_AGING = 1e-6, 1e9
 
@@ -112,6 +112,20 @@ def int_list(lo: int, hi: int) -> Callable[[str], tuple[int, ...]]:
 
     def parse(s: str) -> tuple[int, ...]:
         return tuple(dict.fromkeys(one(x) for x in s.split(",")))
+
+    return parse
+
+
+def number_list(lo: float, hi: float, *, max_items: int) -> Callable[[str], tuple[float, ...]]:
+    """An argparse type: 1..max_items comma-separated finite numbers in (lo, hi]."""
+    one = finite_float(lo, hi, lo_open=True)
+
+    def parse(s: str) -> tuple[float, ...]:
+        items = s.split(",")
+        if len(items) > max_items:
+            raise argparse.ArgumentTypeError(f"must have at most {max_items} numbers, got "
+                                             f"{len(items)}")
+        return tuple(one(x) for x in items)
 
     return parse
 

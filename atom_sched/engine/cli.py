@@ -95,7 +95,8 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     e.add_argument("--scheduling", choices=SCHEDULINGS, default="fcfs",
                    help="the order requests are served in: fcfs (default), priority (all "
                         "prompts here have priority 0), sjf (shortest --max-tokens first, aged "
-                        "at --sjf-aging-rate)")
+                        "at --sjf-aging-rate), fair (fair share between tenants: the prompts "
+                        "here are one tenant's)")
     e.add_argument("--preemption-victim", choices=VICTIMS, default="service_order",
                    help="which running request a full KV pool preempts: service_order (the one "
                         "served last, ATOM's; default) or least_computed")

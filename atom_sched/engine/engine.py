@@ -45,6 +45,7 @@ class GenerationParams:
     ignore_eos: bool = False
     priority: int = 0  # EngineConfig.scheduling="priority" only: smaller is served first
     length_hint: int = 0  # EngineConfig.scheduling="sjf": expected output tokens (0: max_tokens)
+    tenant: str = ""  # EngineConfig.scheduling="fair": whose share of the tokens it counts against
     min_tokens: int = 0  # EOS and stop ids are masked from the logits before this many tokens
 
 
@@ -71,10 +72,12 @@ class EngineConfig:
     one_step_ahead: bool = False
     enable_prefix_caching: bool = True
     policy: str = "atom"  # "mixed": decode rows never wait for a prefill (docs/api.md, Policy)
-    scheduling: str = "fcfs"  # "priority" (GenerationParams.priority) or "sjf" (length_hint)
+    # "priority" (GenerationParams.priority), "sjf" (length_hint) or "fair" (tenant)
+    scheduling: str = "fcfs"
     preemption_victim: str = "service_order"  # or "least_computed" (docs/api.md, Policies)
     sjf_aging_rate: float = 100.0  # sjf: job tokens credited per second waited
     admission_watermark_blocks: int = 0  # KV blocks an admission leaves free for running ones
+    tenant_weights: dict[str, float] = field(default_factory=dict)  # "fair": unlisted weigh 1
     long_prefill_token_threshold: int = 0  # > 0: one request's prefill chunk per step at most
     ngram_max: int = 3
     ngram_min: int = 1
@@ -221,6 +224,7 @@ class LLMEngine:
             policy=cfg.policy, scheduling=cfg.scheduling,
             preemption_victim=cfg.preemption_victim, sjf_aging_rate=cfg.sjf_aging_rate,
             admission_watermark_blocks=cfg.admission_watermark_blocks,
+            tenant_weights=dict(cfg.tenant_weights),
             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
             # The builder keeps the block tables per device slot from each batch's plan.
             host_block_tables=False)
@@ -281,7 +285,7 @@ class LLMEngine:
                             stop_token_ids=[int(t) for t in params.stop_token_ids],
                             stop_token_sequences=self.stop_sequences(params.stop),
                             priority=int(params.priority), min_tokens=int(params.min_tokens),
-                            length_hint=int(params.length_hint))
+                            length_hint=int(params.length_hint), tenant=params.tenant)
         # Arrival times order priority and SJF scheduling (SJF ages by them).
         self.scheduler.add_request(rid, ids, sp, arrival_time=time.monotonic())
         hist = np.zeros(len(ids) + params.max_tokens + 8, dtype=np.int64)

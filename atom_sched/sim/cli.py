@@ -27,6 +27,7 @@ from ..cli_args import (
     fail,
     finite_float,
     int_list,
+    number_list,
     output_dir,
     sjf_aging_rate,
     table_problem,
@@ -46,6 +47,8 @@ MAX_STEP_A, MAX_STEP_B, MAX_STEP_C = 60.0, 1.0, 1.0  # seconds; per token; per c
 MIN_RATE, MAX_RATE = 1e-6, 1e6  # conversations per second
 MAX_LOAD = 10.0
 MAX_HINT_ERROR = 3.0  # sigma of the length hint's log-normal error
+MAX_TENANTS = 16  # the report has a line per tenant and run
+MAX_TENANT_WEIGHT = 1e6
 
 
 def _nonnegative(hi: float) -> Any:
@@ -71,6 +74,11 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
                    default=1,
                    help=f"N in 2..{MAX_PRIORITY_CLASSES}: each conversation gets a random "
                         "priority 0..N-1, and --scheduling defaults to priority (default 1)")
+    w.add_argument("--tenants", type=number_list(0.0, 1.0, max_items=MAX_TENANTS), default=None,
+                   metavar="SHARE[,SHARE...]",
+                   help="each conversation gets a tenant t0, t1, ... at random with these "
+                        "shares of the conversations (they must add up to 1; e.g. 0.8,0.2); "
+                        "the report gives each tenant's TTFT, ITL and share of the tokens")
     w.add_argument("--seed", type=bounded_int(0, INT64_MAX), default=0,
                    help="0..2^63-1 (default 0)")
     r = g.add_argument_group("load")
@@ -86,8 +94,8 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     s.add_argument("--policy", choices=("atom", "mixed", "both"), default="both")
     s.add_argument("--scheduling", type=choice_list(SCHEDULINGS), default=None,
                    help="service order(s) to run, comma-separated: fcfs, priority, sjf "
-                        "(shortest job first with aging) (default fcfs; priority with "
-                        "--priority-classes)")
+                        "(shortest job first with aging), fair (weighted fair share of tokens "
+                        "between --tenants) (default fcfs; priority with --priority-classes)")
     s.add_argument("--victim", type=choice_list(VICTIMS), default=("service_order",),
                    help="preemption victim rule(s), comma-separated: service_order (the "
                         "request served last: ATOM's), least_computed (default service_order)")
@@ -96,6 +104,10 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     s.add_argument("--length-hint-error", type=finite_float(0.0, MAX_HINT_ERROR), default=0.0,
                    help="sjf: the length hint is the reply's length times exp(N(0, E)), a "
                         f"predictor's error; 0..{MAX_HINT_ERROR:g} (default 0: exact lengths)")
+    s.add_argument("--tenant-weights", type=number_list(0.0, MAX_TENANT_WEIGHT,
+                                                         max_items=MAX_TENANTS),
+                   default=None, metavar="W[,W...]",
+                   help="fair: the weight of t0, t1, ... (default 1 each)")
     s.add_argument("--watermark", type=int_list(0, MAX_KV_BLOCKS - 2), default=(0,),
                    metavar="BLOCKS[,BLOCKS...]",
                    help="admission_watermark_blocks to run, comma-separated: KV blocks an "
@@ -141,12 +153,17 @@ def _conversations(args: argparse.Namespace) -> list[Any]:
         convs = workloads.synthetic(args.workload, num_conversations=args.conversations,
                                     seed=args.seed, max_model_len=args.max_model_len,
                                     max_tokens=args.max_tokens)
-    if args.priority_classes > 1:
-        import numpy as np
+    import numpy as np
 
+    if args.priority_classes > 1:
         rng = np.random.default_rng(args.seed + 1)
         for c in convs:
             c.priority = int(rng.integers(0, args.priority_classes))
+    if args.tenants is not None:
+        rng = np.random.default_rng([args.seed, 3])
+        picks = rng.choice(len(args.tenants), size=len(convs), p=np.array(args.tenants))
+        for c, t in zip(convs, picks, strict=True):
+            c.tenant = f"t{t}"
     return convs
 
 
@@ -163,7 +180,8 @@ def _config(args: argparse.Namespace, policy: str, decode_caching: bool,
         num_blocks=args.kv_blocks, block_size=16, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.budget, max_model_len=args.max_model_len, policy=policy,
         scheduling=scheduling, preemption_victim=victim, sjf_aging_rate=args.sjf_aging_rate,
-        admission_watermark_blocks=watermark, cache_decode_blocks=decode_caching)
+        admission_watermark_blocks=watermark, cache_decode_blocks=decode_caching,
+        tenant_weights={f"t{i}": w for i, w in enumerate(args.tenant_weights or ())})
 
 
 def _runs(args: argparse.Namespace) -> list[tuple[str, SchedulerConfig]]:
@@ -193,6 +211,10 @@ def check_args(args: argparse.Namespace) -> str | None:
     flag is within its bounds once parsed), checked before any work."""
     if min(args.think_time, args.step_a, args.step_b, args.step_c) < 0:
         return "--think-time and the step-time constants must be >= 0"
+    if args.tenants is not None and abs(sum(args.tenants) - 1.0) > 1e-6:
+        return f"--tenants: the shares must add up to 1, got {sum(args.tenants):g}"
+    if args.tenant_weights is not None and len(args.tenant_weights) != len(args.tenants or ()):
+        return "--tenant-weights needs one weight per tenant of --tenants"
     if args.step_a + args.step_b < MIN_STEP:
         return (f"--step-a + --step-b (the time of a one-token step) must be >= {MIN_STEP:g} "
                 f"seconds, got {args.step_a + args.step_b:g}")

@@ -1,6 +1,7 @@
 """What a simulation reports: a table per run (throughput, TTFT and inter-token latency
-percentiles, preemptions, the recompute tax, prefix hit rate), per-priority TTFT, a JSON file and
-a PNG of the latency distributions.
+percentiles, preemptions, the recompute tax, prefix hit rate), per-priority TTFT, per tenant its
+requests, share of the output tokens, TTFT and ITL, a JSON file and a PNG of the latency
+distributions.
 
 The recompute tax (docs/perf.md, "Serving simulator"): the tokens the engine computes again
 because a preemption dropped their KV (what the prefix cache gives back at re-admission is not
@@ -46,6 +47,14 @@ def summary(r: SimResult) -> dict[str, Any]:
         out["ttft_by_priority_s"] = {
             str(c): dict(zip(("p50", "p90", "p99"), _pct(r.ttft(c)), strict=True))
             for c in classes}
+    tenants = sorted({q.tenant for q in r.requests})
+    if len(tenants) > 1:
+        out["by_tenant"] = {t: {
+            "requests": sum(1 for q in r.requests if q.tenant == t),
+            "output_tokens": r.output_tokens_of(t),
+            "ttft_s": dict(zip(("p50", "p90", "p99"), _pct(r.ttft(tenant=t)), strict=True)),
+            "itl_s": dict(zip(("p50", "p90", "p99"), _pct(r.itl(tenant=t)), strict=True)),
+        } for t in tenants}
     return out
 
 
@@ -72,9 +81,17 @@ def format_table(results: list[SimResult]) -> str:
     out = [line, "-+-".join("-" * w for w in widths)]
     out += [" | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     for r in results:
-        for c, p in summary(r).get("ttft_by_priority_s", {}).items():
+        s = summary(r)
+        for c, p in s.get("ttft_by_priority_s", {}).items():
             out.append(f"{r.label}: priority {c} TTFT p50/p90/p99 ms "
                        + "/".join(_ms(p[k]) for k in ("p50", "p90", "p99")))
+        for t, v in s.get("by_tenant", {}).items():
+            share = v["output_tokens"] / max(1, s["output_tokens"])
+            out.append(f"{r.label}: tenant {t}: {v['requests']} requests, "
+                       f"{100 * share:.1f}% of output tokens, TTFT p50/p90/p99 ms "
+                       + "/".join(_ms(v["ttft_s"][k]) for k in ("p50", "p90", "p99"))
+                       + ", ITL p50/p90/p99 ms "
+                       + "/".join(_ms(v["itl_s"][k]) for k in ("p50", "p90", "p99")))
     return "\n".join(out)
 
 

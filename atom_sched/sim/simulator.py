@@ -67,6 +67,7 @@ class RequestRecord:
     arrival: float
     priority: int
     prompt_len: int
+    tenant: str = ""
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish: float | None = None
@@ -92,15 +93,21 @@ class SimResult:
         """Recomputed tokens as a share of all tokens computed."""
         return self.recomputed_tokens / self.computed_tokens if self.computed_tokens else 0.0
 
-    def ttft(self, priority: int | None = None) -> np.ndarray:
-        return np.array([r.first_token - r.arrival for r in self.requests
-                         if r.first_token is not None
-                         and (priority is None or r.priority == priority)])
+    def _of(self, priority: int | None, tenant: str | None) -> list[RequestRecord]:
+        return [r for r in self.requests if (priority is None or r.priority == priority)
+                and (tenant is None or r.tenant == tenant)]
 
-    def itl(self, priority: int | None = None) -> np.ndarray:
-        gaps = [np.diff(r.token_times) for r in self.requests
-                if len(r.token_times) > 1 and (priority is None or r.priority == priority)]
+    def ttft(self, priority: int | None = None, tenant: str | None = None) -> np.ndarray:
+        return np.array([r.first_token - r.arrival for r in self._of(priority, tenant)
+                         if r.first_token is not None])
+
+    def itl(self, priority: int | None = None, tenant: str | None = None) -> np.ndarray:
+        gaps = [np.diff(r.token_times) for r in self._of(priority, tenant)
+                if len(r.token_times) > 1]
         return np.concatenate(gaps) if gaps else np.zeros(0)
+
+    def output_tokens_of(self, tenant: str) -> int:
+        return sum(len(r.token_times) for r in self._of(None, tenant))
 
     @property
     def output_tokens(self) -> int:
@@ -185,8 +192,9 @@ def simulate(conversations: list[Conversation], config: SchedulerConfig, *, rate
             sched.add_request(next_id, turn.prompt,
                               SamplingParams(max_tokens=len(turn.output), ignore_eos=True,
                                              priority=conv.priority if use_priority else 0,
-                                             length_hint=hints[c][k]), arrival_time=t)
-            live[next_id] = RequestRecord(c, k, t, conv.priority, len(turn.prompt))
+                                             length_hint=hints[c][k], tenant=conv.tenant),
+                              arrival_time=t)
+            live[next_id] = RequestRecord(c, k, t, conv.priority, len(turn.prompt), conv.tenant)
             outputs[next_id] = turn.output
             next_id += 1
         batch = sched.schedule(now=clock)
@@ -239,7 +247,8 @@ def simulate(conversations: list[Conversation], config: SchedulerConfig, *, rate
     cfg = {name: getattr(config, name) for name in (
         "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
         "policy", "scheduling", "preemption_victim", "sjf_aging_rate",
-        "admission_watermark_blocks", "cache_decode_blocks", "enable_prefix_caching")}
+        "admission_watermark_blocks", "tenant_weights", "cache_decode_blocks",
+        "enable_prefix_caching")}
     cfg["length_hint_error"] = float(length_hint_error)
     return SimResult(label=label, config=cfg, requests=done, duration=clock - start, steps=steps,
                      stats=sched.stats(), rate=rate, computed_tokens=computed,

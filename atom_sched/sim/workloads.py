@@ -38,6 +38,7 @@ class Turn:
 class Conversation:
     turns: list[Turn]
     priority: int = 0
+    tenant: str = ""  # whose share its turns count against under scheduling="fair"
 
 
 def sharegpt_records() -> Iterator[dict]:

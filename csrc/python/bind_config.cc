@@ -4,6 +4,8 @@
 #include <pybind11/stl.h>
 
 #include <array>
+#include <map>
+#include <string>
 
 #include "atom_sched/config.h"
 #include "bindings.h"
@@ -36,17 +38,17 @@ void add_pickle(py::class_<T>& cls, const std::array<const char*, N>& fields) {
   });
 }
 
-constexpr std::array<const char*, 22> kSchedulerConfigFields = {
+constexpr std::array<const char*, 23> kSchedulerConfigFields = {
     "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "enable_prefix_caching", "enable_chunked_prefill", "num_speculative_tokens", "eos_token_id",
     "stop_token_ids", "scheduler_delay_factor", "enable_kv_events", "num_state_slots",
     "policy", "scheduling", "long_prefill_token_threshold", "cache_decode_blocks",
     "uniform_decode_rows", "host_block_tables", "preemption_victim", "sjf_aging_rate",
-    "admission_watermark_blocks"};
-constexpr std::array<const char*, 15> kSamplingParamsFields = {
+    "admission_watermark_blocks", "tenant_weights"};
+constexpr std::array<const char*, 16> kSamplingParamsFields = {
     "temperature", "top_k", "top_p", "max_tokens", "ignore_eos", "n", "logprobs",
     "stop_token_ids", "stop_token_sequences", "seed", "min_tokens", "priority", "cache_salt",
-    "lora_name", "length_hint"};
+    "lora_name", "length_hint", "tenant"};
 
 // SchedulerConfig.policy in Python.
 const char* policy_name(BatchPolicy p) { return p == BatchPolicy::kMixed ? "mixed" : "atom"; }
@@ -57,17 +59,39 @@ BatchPolicy policy_from(const std::string& name) {
   throw py::value_error("policy must be 'atom' or 'mixed', got '" + name + "'");
 }
 
-// SchedulerConfig.scheduling in Python: vLLM's policy names, and "sjf".
+// SchedulerConfig.scheduling in Python: vLLM's policy names, "sjf" and "fair".
 const char* scheduling_name(SchedulingPolicy p) {
-  if (p == SchedulingPolicy::kSjf) return "sjf";
-  return p == SchedulingPolicy::kPriority ? "priority" : "fcfs";
+  switch (p) {
+    case SchedulingPolicy::kPriority: return "priority";
+    case SchedulingPolicy::kSjf: return "sjf";
+    case SchedulingPolicy::kFairShare: return "fair";
+    default: return "fcfs";
+  }
 }
 
 SchedulingPolicy scheduling_from(const std::string& name) {
   if (name == "fcfs") return SchedulingPolicy::kFcfs;
   if (name == "priority") return SchedulingPolicy::kPriority;
   if (name == "sjf") return SchedulingPolicy::kSjf;
-  throw py::value_error("scheduling must be 'fcfs', 'priority' or 'sjf', got '" + name + "'");
+  if (name == "fair") return SchedulingPolicy::kFairShare;
+  throw py::value_error("scheduling must be 'fcfs', 'priority', 'sjf' or 'fair', got '" + name +
+                        "'");
+}
+
+// SchedulerConfig.tenant_weights from Python: a dict of str to a number (a weight's range is
+// checked by SchedulerConfig::validate()).
+std::map<std::string, double> tenant_weights_from(const py::handle& value) {
+  if (!py::isinstance<py::dict>(value))
+    throw py::type_error(std::string("tenant_weights must be a dict of str to float, not ") +
+                         Py_TYPE(value.ptr())->tp_name);
+  std::map<std::string, double> out;
+  for (auto [name, weight] : py::reinterpret_borrow<py::dict>(value)) {
+    if (PyBool_Check(weight.ptr()) || !PyNumber_Check(weight.ptr()))
+      throw py::type_error(std::string("tenant_weights: a weight must be a number, not ") +
+                           Py_TYPE(weight.ptr())->tp_name);
+    out[extra_key_text(name, "a tenant_weights key")] = weight.cast<double>();
+  }
+  return out;
 }
 
 // SchedulerConfig.preemption_victim in Python.
@@ -115,7 +139,8 @@ void bind_config(py::module_& m) {
                        int32_t long_prefill_token_threshold,
                        bool cache_decode_blocks, bool uniform_decode_rows,
                        bool host_block_tables, const std::string& preemption_victim,
-                       double sjf_aging_rate, int32_t admission_watermark_blocks) {
+                       double sjf_aging_rate, int32_t admission_watermark_blocks,
+                       const py::object& tenant_weights) {
              SchedulerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -139,6 +164,7 @@ void bind_config(py::module_& m) {
              c.preemption_victim = victim_from(preemption_victim);
              c.sjf_aging_rate = sjf_aging_rate;
              c.admission_watermark_blocks = admission_watermark_blocks;
+             c.tenant_weights = tenant_weights_from(tenant_weights);
              return c;
            }),
            "num_blocks"_a, py::kw_only(), "block_size"_a = 16, "max_num_seqs"_a = 256,
@@ -151,7 +177,7 @@ void bind_config(py::module_& m) {
            "long_prefill_token_threshold"_a = 0, "cache_decode_blocks"_a = true,
            "uniform_decode_rows"_a = false, "host_block_tables"_a = true,
            "preemption_victim"_a = "service_order", "sjf_aging_rate"_a = 100.0,
-           "admission_watermark_blocks"_a = 0)
+           "admission_watermark_blocks"_a = 0, "tenant_weights"_a = py::dict())
       .def_readwrite("num_blocks", &SchedulerConfig::num_blocks)
       .def_readwrite("block_size", &SchedulerConfig::block_size)
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
@@ -184,6 +210,9 @@ void bind_config(py::module_& m) {
           })
       .def_readwrite("sjf_aging_rate", &SchedulerConfig::sjf_aging_rate)
       .def_readwrite("admission_watermark_blocks", &SchedulerConfig::admission_watermark_blocks)
+      .def_property(
+          "tenant_weights", [](const SchedulerConfig& c) { return c.tenant_weights; },
+          [](SchedulerConfig& c, const py::object& v) { c.tenant_weights = tenant_weights_from(v); })
       .def("validate", &SchedulerConfig::validate, "Raises ValueError naming an invalid field.")
       .def_property_readonly("max_blocks_per_request", &SchedulerConfig::max_blocks_per_request)
       .def("__repr__", [](const SchedulerConfig& c) {
@@ -206,7 +235,8 @@ void bind_config(py::module_& m) {
                        std::vector<int32_t> stop_token_ids,
                        std::vector<std::vector<int32_t>> stop_token_sequences, int64_t seed,
                        int32_t min_tokens, int32_t priority, const py::object& cache_salt,
-                       const py::object& lora_name, int32_t length_hint) {
+                       const py::object& lora_name, int32_t length_hint,
+                       const py::object& tenant) {
              SamplingParams p;
              p.temperature = temperature;
              p.top_k = top_k;
@@ -223,6 +253,7 @@ void bind_config(py::module_& m) {
              p.cache_salt = extra_key_text(cache_salt, "cache_salt");
              p.lora_name = extra_key_text(lora_name, "lora_name");
              p.length_hint = length_hint;
+             p.tenant = extra_key_text(tenant, "tenant");
              p.validate();
              return p;
            }),
@@ -231,7 +262,7 @@ void bind_config(py::module_& m) {
            "stop_token_ids"_a = std::vector<int32_t>{},
            "stop_token_sequences"_a = std::vector<std::vector<int32_t>>{}, "seed"_a = -1,
            "min_tokens"_a = 0, "priority"_a = 0, "cache_salt"_a = py::str(""),
-           "lora_name"_a = py::str(""), "length_hint"_a = 0)
+           "lora_name"_a = py::str(""), "length_hint"_a = 0, "tenant"_a = py::str(""))
       .def_readwrite("temperature", &SamplingParams::temperature)
       .def_readwrite("top_k", &SamplingParams::top_k)
       .def_readwrite("top_p", &SamplingParams::top_p)
@@ -245,6 +276,9 @@ void bind_config(py::module_& m) {
       .def_readwrite("min_tokens", &SamplingParams::min_tokens)
       .def_readwrite("priority", &SamplingParams::priority)
       .def_readwrite("length_hint", &SamplingParams::length_hint)
+      .def_property(
+          "tenant", [](const SamplingParams& p) { return p.tenant; },
+          [](SamplingParams& p, const py::object& v) { p.tenant = extra_key_text(v, "tenant"); })
       .def_property(
           "cache_salt", [](const SamplingParams& p) { return p.cache_salt; },
           [](SamplingParams& p, const py::object& v) {

@@ -42,8 +42,17 @@ void SchedulerConfig::validate() const {
   require(policy == BatchPolicy::kAtom || policy == BatchPolicy::kMixed,
           "policy must be atom or mixed" + got(int64_t{static_cast<int>(policy)}));
   require(scheduling == SchedulingPolicy::kFcfs || scheduling == SchedulingPolicy::kPriority ||
-              scheduling == SchedulingPolicy::kSjf,
-          "scheduling must be FCFS, priority or SJF" + got(int64_t{static_cast<int>(scheduling)}));
+              scheduling == SchedulingPolicy::kSjf || scheduling == SchedulingPolicy::kFairShare,
+          "scheduling must be FCFS, priority, SJF or fair share" +
+              got(int64_t{static_cast<int>(scheduling)}));
+  for (const auto& [name, weight] : tenant_weights) {
+    require(name.size() <= kMaxExtraKeyBytes,
+            "tenant_weights: a tenant name must be at most " + std::to_string(kMaxExtraKeyBytes) +
+                " bytes" + got(static_cast<int64_t>(name.size())));
+    require(weight > 0.0 && std::isfinite(weight),
+            "tenant_weights: the weight of tenant '" + name + "' must be a finite number > 0" +
+                got(weight));
+  }
   require(preemption_victim == PreemptionVictim::kServiceOrder ||
               preemption_victim == PreemptionVictim::kLeastComputed,
           "preemption_victim must be service order or least computed" +
@@ -87,6 +96,9 @@ void SamplingParams::validate() const {
   require(cache_salt.size() <= kMaxExtraKeyBytes,
           "cache_salt must be at most " + std::to_string(kMaxExtraKeyBytes) + " bytes" +
               got(static_cast<int64_t>(cache_salt.size())));
+  require(tenant.size() <= kMaxExtraKeyBytes,
+          "tenant must be at most " + std::to_string(kMaxExtraKeyBytes) + " bytes" +
+              got(static_cast<int64_t>(tenant.size())));
   require(lora_name.size() <= kMaxExtraKeyBytes,
           "lora_name must be at most " + std::to_string(kMaxExtraKeyBytes) + " bytes" +
               got(static_cast<int64_t>(lora_name.size())));

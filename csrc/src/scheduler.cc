@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <array>
 #include <limits>
 #include <string>
 
@@ -45,7 +46,8 @@ Scheduler::Scheduler(SchedulerConfig config)
                        : -1),
       cache_decode_blocks_(config_.cache_decode_blocks && config_.enable_prefix_caching),
       pool_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching,
-            config_.enable_kv_events, config_.num_state_slots) {
+            config_.enable_kv_events, config_.num_state_slots),
+      tenants_(config_.tenant_weights) {
   const size_t rows = config_.max_num_seqs;
   // The per-token arrays have K slack entries past the token budget: a steady speculative row
   // writes all K+1 of its slots at once (add_steady_decode_rows()), also when it schedules fewer.
@@ -234,6 +236,9 @@ void Scheduler::add_running(int32_t slot) {
 }
 
 void Scheduler::remove_running(Request& r) {
+  // The admission ends: what it computed counts against its tenant's share (hits were free).
+  if (fair_share())
+    tenants_.charge(r.tenant, std::max(0, r.num_computed_tokens - r.prefix_hit_tokens));
   const int32_t pos = r.run_pos;
   r.run_pos = -1;
   if (pos + 1 < static_cast<int32_t>(running_.size())) {
@@ -381,6 +386,17 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.remote_drafts.clear();
   r.pending_stop = FinishReason::kNone;
   r.pending_stop_token = -1;
+  r.tenant = -1;
+  if (fair_share()) {
+    // A tenant with no live request starts at the least counter of those with some.
+    double floor = std::numeric_limits<double>::infinity();
+    if (!tenants_.has(params.tenant)) {
+      update_tenant_counters();
+      for (int32_t t = 0; t < tenants_.size(); ++t)
+        if (tenants_.active(t)) floor = std::min(floor, tenant_counters_[t]);
+    }
+    r.tenant = tenants_.join(params.tenant, floor);
+  }
   slot_by_id_[id] = slot;
   enqueue(waiting_, slot);
 }
@@ -436,6 +452,8 @@ void Scheduler::finish(int32_t slot, FinishReason reason, int32_t stop_token) {
   } else {
     list_remove(waiting_, slot);
   }
+  if (r.tenant >= 0) tenants_.leave(r.tenant);
+  r.tenant = -1;
   r.finish_reason = reason;
   r.stop_token = stop_token;
   // Blocks a transfer may still write (KV arriving) or read (KV being sent) stay allocated until
@@ -554,9 +572,11 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
   const int32_t bs = config_.block_size;
   const bool needs_state = config_.num_state_slots > 0;
   const AdmissionHeadroom headroom{config_.admission_watermark_blocks};
+  const bool fair = fair_share();
+  if (fair) update_tenant_counters();  // with this step's rows so far
   while (waiting_.size > 0 && b.num_rows < max_rows && num_running() < max_rows &&
          b.num_tokens < budget) {
-    const int32_t s = waiting_.head;
+    const int32_t s = fair ? fair_pick(tenant_counters_) : waiting_.head;
     Request& r = requests_[s];
     if (auto why = unschedulable_reason(r)) {
       reject(s, "unschedulable: " + *why);
@@ -628,7 +648,29 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
     add_running(s);
     track_partial(s);  // always partial here: the last block is never a hit
     add_prefill_row(b, s, chunk);
+    if (fair) tenant_counters_[r.tenant] += chunk / tenants_.weight(r.tenant);
   }
+}
+
+void Scheduler::update_tenant_counters() {
+  tenant_counters_.assign(static_cast<size_t>(tenants_.size()), 0.0);
+  for (int32_t s : running_)
+    if (s != kRunningHole) {
+      const Request& r = requests_[s];
+      tenant_counters_[r.tenant] += std::max(0, r.num_computed_tokens - r.prefix_hit_tokens);
+    }
+  for (int32_t t = 0; t < tenants_.size(); ++t)
+    tenant_counters_[t] = (tenant_counters_[t] + tenants_.charged(t)) / tenants_.weight(t);
+}
+
+int32_t Scheduler::fair_pick(const std::vector<double>& counters,
+                             std::span<const int32_t> skip) const {
+  int32_t best = -1;
+  for (int32_t s = waiting_.head; s >= 0; s = links_[s].next) {
+    if (std::find(skip.begin(), skip.end(), s) != skip.end()) continue;
+    if (best < 0 || counters[requests_[s].tenant] < counters[requests_[best].tenant]) best = s;
+  }
+  return best;
 }
 
 void Scheduler::admit_remote_ready() {
@@ -659,16 +701,24 @@ void Scheduler::take_device_slot(Request& r) {
 
 int32_t Scheduler::count_admittable_head_prefills(int32_t limit) {
   // The admission loop's own steps (schedule_prefills, Phase 2), on the first 4 waiting requests
-  // and without changing anything: KV and budget taken by the requests counted before are
-  // accounted as the loop would take them.
+  // it would take (fair share: the first 4 picks) and without changing anything: KV and budget
+  // taken by the requests counted before are accounted as the loop would take them.
   if (limit <= 0 || waiting_.size == 0) return 0;
   const int32_t budget = config_.max_num_batched_tokens;
   const int32_t bs = config_.block_size;
   const PrefillChunk chunk_of = prefill_chunk();
   const AdmissionHeadroom headroom{config_.admission_watermark_blocks};
+  const bool fair = fair_share();
+  if (fair) update_tenant_counters();
+  std::array<int32_t, 4> probed_slots{};
   int32_t count = 0, tokens = 0, blocks_taken = 0, probed = 0;
-  for (int32_t s = waiting_.head; s >= 0 && probed < 4 && count < limit && tokens < budget;
-       s = links_[s].next, ++probed) {
+  auto next = [&](int32_t s) {
+    probed_slots[probed] = s;
+    return fair ? fair_pick(tenant_counters_, std::span(probed_slots.data(), probed + 1))
+                : links_[s].next;
+  };
+  for (int32_t s = fair ? fair_pick(tenant_counters_) : waiting_.head;
+       s >= 0 && probed < 4 && count < limit && tokens < budget; s = next(s), ++probed) {
     Request& r = requests_[s];
     if (num_running() + count >= config_.max_num_seqs) break;
     if (unschedulable_reason(r)) continue;  // the loop rejects it: it blocks nothing
@@ -684,6 +734,7 @@ int32_t Scheduler::count_admittable_head_prefills(int32_t limit) {
     if (chunk == 0) break;
     blocks_taken += fresh;
     tokens += chunk;
+    if (fair) tenant_counters_[r.tenant] += chunk / tenants_.weight(r.tenant);
     ++count;
   }
   return count;
@@ -719,12 +770,16 @@ template <bool kSpec>
   return r.num_inflight == 0 ? std::min(n, r.num_drafts + 1) : n;
 }
 
-int32_t Scheduler::preemption_victim(size_t from) const {
+int32_t Scheduler::preemption_victim(size_t from) {
   // The candidates are running_[from..]: the rows before `from` are already in the batch.
-  const VictimChoice choice{config_.preemption_victim, config_.scheduling};
+  VictimChoice choice{config_.preemption_victim, config_.scheduling};
   // Running is kept in service order (add_running): the request served last is its tail (never
   // a hole).
   if (choice.takes_tail()) return running_.back();
+  if (fair_share()) {
+    update_tenant_counters();
+    choice.tenant_counters = tenant_counters_.data();
+  }
   int32_t victim = running_.back();
   for (size_t i = running_.size() - 1; i-- > from;) {
     const int32_t s = running_[i];

@@ -179,7 +179,31 @@ void Scheduler::check_invariants() const {
         "a live request is in no queue");
   check(std::count(device_slot_used.begin(), device_slot_used.end(), 1) == config_.max_num_seqs,
         "a device slot leaked");
+  check_tenants();
   pool_.check_invariants(refs);
+}
+
+void Scheduler::check_tenants() const {
+  // Fair share: each live request counts against one active tenant, and each active tenant's
+  // live count is its live requests; other policies keep no tenants.
+  std::vector<int32_t> live(static_cast<size_t>(tenants_.size()), 0);
+  for (const Request& r : requests_) {
+    const bool counted = r.in_use && r.status != RequestStatus::kFinished;
+    if (!fair_share() || !counted) {
+      check(r.tenant == -1, "request " + id_str(r.id) + " holds a tenant it should not");
+      continue;
+    }
+    check(r.tenant >= 0 && r.tenant < tenants_.size() && tenants_.active(r.tenant),
+          "request " + id_str(r.id) + " has no active tenant");
+    ++live[r.tenant];
+  }
+  int32_t active = 0;
+  for (int32_t t = 0; t < tenants_.size(); ++t) {
+    check(live[t] == tenants_.live(t), "tenant " + std::to_string(t) + "'s live count is wrong");
+    check(tenants_.charged(t) >= 0.0, "tenant " + std::to_string(t) + " has a negative charge");
+    active += live[t] > 0;
+  }
+  check(active == tenants_.num_active(), "the tenants' name map holds inactive tenants");
 }
 
 }  // namespace atom_sched

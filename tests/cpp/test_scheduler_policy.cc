@@ -10,10 +10,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "atom_sched/config.h"
@@ -315,7 +317,8 @@ TEST(SchedulerTest, ReadinessProbeCountsWhatAdmissionAdmits) {
     c.max_model_len = 512;
     c.enable_chunked_prefill = rng() % 2 == 0;
     if (c.enable_chunked_prefill && rng() % 2 == 0) c.long_prefill_token_threshold = pick(1, 20);
-    c.scheduling = rng() % 2 == 0 ? SchedulingPolicy::kPriority : SchedulingPolicy::kFcfs;
+    c.scheduling = std::array{SchedulingPolicy::kPriority, SchedulingPolicy::kFcfs,
+                              SchedulingPolicy::kFairShare}[rng() % 3];
     if (rng() % 3 == 0 && c.num_blocks > 3) c.admission_watermark_blocks = pick(1, c.num_blocks - 3);
     H h(c);
     const int32_t n = pick(1, 6);
@@ -325,19 +328,14 @@ TEST(SchedulerTest, ReadinessProbeCountsWhatAdmissionAdmits) {
                                     (c.num_blocks - 1) * c.block_size);
       SamplingParams p = P();
       if (c.scheduling == SchedulingPolicy::kPriority) p.priority = pick(0, 2);
+      p.tenant = std::string(1, static_cast<char>('a' + pick(0, 2)));  // fair share's
       h.add(id, Seq(100 * static_cast<int32_t>(id), pick(1, most)), p);
     }
-    const V64 head = [&] {
-      V64 w = h.s.waiting_ids();
-      w.resize(std::min<size_t>(w.size(), 4));
-      return w;
-    }();
+    // Nothing runs: every row is an admission, in the order the probe follows (the head of
+    // waiting on; fair share: its picks), so the probe counts the first 4 of them.
     Scheduler copy = h.s;
     const Batch* b = copy.schedule();
-    int32_t admitted = 0;
-    if (b != nullptr)
-      for (int32_t row = 0; row < b->num_rows; ++row)
-        admitted += std::find(head.begin(), head.end(), b->req_ids[row]) != head.end();
+    const int32_t admitted = b == nullptr ? 0 : std::min(b->num_rows, 4);
     for (int32_t limit = 1; limit <= 4; ++limit)
       EXPECT_EQ(h.s.count_admittable_head_prefills(limit), std::min(limit, admitted))
           << "limit " << limit;

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstdint>
 #include <cstdio>
@@ -139,21 +140,24 @@ void AppendBatch(const Snap& b, std::vector<int64_t>& trace) {
 // The service order and victim rule of a random configuration: every combination, FCFS with
 // ATOM's victims the most often.
 SchedulingPolicy RandomScheduling(std::mt19937& rng) {
-  const uint32_t x = rng() % 6;
-  return x < 2 ? SchedulingPolicy::kPriority : x == 2 ? SchedulingPolicy::kSjf
-                                                      : SchedulingPolicy::kFcfs;
+  return std::array{SchedulingPolicy::kPriority, SchedulingPolicy::kPriority,
+                    SchedulingPolicy::kSjf,      SchedulingPolicy::kFairShare,
+                    SchedulingPolicy::kFcfs,     SchedulingPolicy::kFcfs,
+                    SchedulingPolicy::kFcfs}[rng() % 7];
 }
 
 PreemptionVictim RandomVictim(std::mt19937& rng) {
   return rng() % 3 == 0 ? PreemptionVictim::kLeastComputed : PreemptionVictim::kServiceOrder;
 }
 
-// A request's priority or job-length hint, as its configuration takes them.
+// A request's priority, job-length hint or tenant, as its configuration takes them.
 void RandomServiceParams(const SchedulerConfig& c, SamplingParams& p, std::mt19937& rng) {
   if (c.scheduling == SchedulingPolicy::kPriority)
     p.priority = static_cast<int32_t>(rng() % 5) - 2;
   if (c.scheduling == SchedulingPolicy::kSjf && rng() % 2 == 0)
     p.length_hint = 1 + static_cast<int32_t>(rng() % 12);
+  if (c.scheduling == SchedulingPolicy::kFairShare)
+    p.tenant = std::string(1, static_cast<char>('a' + rng() % 3));
 }
 
 // A random stream's batches (AppendBatch()) and outputs, in order.
@@ -182,6 +186,7 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
     c.scheduling = RandomScheduling(rng);
     c.preemption_victim = RandomVictim(rng);
     if (rng() % 4 == 0) c.admission_watermark_blocks = pick(1, c.num_blocks / 4);
+    if (c.scheduling == SchedulingPolicy::kFairShare) c.tenant_weights = {{"a", 3.0}, {"c", 0.5}};
     if (c.enable_chunked_prefill && rng() % 3 == 0) c.long_prefill_token_threshold = pick(1, 12);
     c.host_block_tables = host_tables;
     const int32_t k = c.num_speculative_tokens;
@@ -333,6 +338,7 @@ AdmissionCounts MixedPreemptionStream(uint32_t seed, int64_t steps) {
   c.scheduling = RandomScheduling(rng);
   c.preemption_victim = RandomVictim(rng);
   if (rng() % 4 == 0) c.admission_watermark_blocks = pick(1, c.num_blocks / 4);
+  if (c.scheduling == SchedulingPolicy::kFairShare) c.tenant_weights = {{"a", 3.0}, {"c", 0.5}};
   if (c.enable_chunked_prefill && rng() % 3 == 0) c.long_prefill_token_threshold = pick(1, 12);
   const int32_t k = c.num_speculative_tokens;
   Scheduler s(c);

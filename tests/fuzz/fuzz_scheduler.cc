@@ -94,7 +94,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   cfg.eos_token_id = 2;
   cfg.num_state_slots = in.below(3);
   cfg.scheduling = std::array{SchedulingPolicy::kFcfs, SchedulingPolicy::kPriority,
-                              SchedulingPolicy::kSjf}[in.below(3)];
+                              SchedulingPolicy::kSjf, SchedulingPolicy::kFairShare}[in.below(4)];
+  if (cfg.scheduling == SchedulingPolicy::kFairShare) cfg.tenant_weights = {{"x", 2.0}};
   cfg.preemption_victim =
       in.next() & 1 ? PreemptionVictim::kLeastComputed : PreemptionVictim::kServiceOrder;
   if (cfg.scheduling == SchedulingPolicy::kSjf) cfg.sjf_aging_rate = 0.5 * (1 + in.below(8));
@@ -124,6 +125,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           if (in.below(4) == 0) p.stop_token_ids.push_back(in.below(12));
           if (in.below(3) == 0) p.priority = in.below(5) - 2;  // refused under FCFS unless 0
           if (in.below(4) == 0) p.length_hint = in.below(20) - 1;  // -1 is refused
+          if (in.below(3) == 0) p.tenant.assign(1, static_cast<char>('w' + in.below(3)));
           if (in.below(5) == 0) p.cache_salt.assign(1, static_cast<char>('a' + in.below(2)));
           if (in.below(5) == 0) p.lora_name.assign(1, static_cast<char>('x' + in.below(2)));
           const int64_t id = in.below(6) == 0 ? in.below(4) - 1 : next_id++;

@@ -140,7 +140,7 @@ def test_greedy_matches_transformers(tiny, tiny_reference, one_step_ahead, k):
 
 
 POLICIES = [("fcfs", "least_computed", False, 0), ("sjf", "service_order", True, 2),
-            ("sjf", "least_computed", False, 3)]
+            ("sjf", "least_computed", False, 3), ("fair", "service_order", True, 0)]
 
 
 @pytest.mark.parametrize("scheduling,victim,one_step_ahead,k", POLICIES,
@@ -148,16 +148,16 @@ POLICIES = [("fcfs", "least_computed", False, 0), ("sjf", "service_order", True,
                               for s, v, a, k in POLICIES])
 def test_policies_keep_the_greedy_answers(tiny, tiny_reference, scheduling, victim,
                                           one_step_ahead, k):
-    """Issue 30: SJF (by length hints, aged) and least-computed victims reach the engine's
-    scheduler, and change the order of service only: with the small pool forcing preemption,
-    every answer is still transformers' greedy one."""
+    """Issue 30: SJF (by length hints, aged), fair share (two tenants, weights 2:1) and
+    least-computed victims reach the engine's scheduler, and change the order of service only:
+    with the small pool forcing preemption, every answer is still transformers' greedy one."""
     path, hf = tiny
     eng = _engine(path, one_step_ahead, k, scheduling=scheduling, preemption_victim=victim,
-                  sjf_aging_rate=5.0)
+                  sjf_aging_rate=5.0, tenant_weights={"t0": 2.0})
     assert (eng.sched_config.scheduling, eng.sched_config.preemption_victim) == (
         scheduling, victim)
-    params = [GenerationParams(max_tokens=MAX_NEW, length_hint=MAX_NEW - 3 * i)
-              for i in range(len(_prompts()))]
+    params = [GenerationParams(max_tokens=MAX_NEW, length_hint=MAX_NEW - 3 * i,
+                               tenant=f"t{i % 2}") for i in range(len(_prompts()))]
     outs = eng.generate(_prompts(), params)
     assert eng.stats()["num_preemptions"] > 0, "the small KV pool should force preemption"
     for prompt, out, ref in zip(_prompts(), outs, tiny_reference, strict=True):

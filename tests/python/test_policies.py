@@ -23,7 +23,7 @@ def test_config_fields_are_validated_and_kept():
         assert d.scheduling == "priority" and d.long_prefill_token_threshold == 32
     assert SchedulerConfig(num_blocks=16).scheduling == "fcfs"
     with pytest.raises(ValueError,
-                       match="scheduling must be 'fcfs', 'priority' or 'sjf', got 'lifo'"):
+                       match="scheduling must be 'fcfs', 'priority', 'sjf' or 'fair', got 'lifo'"):
         SchedulerConfig(num_blocks=16, scheduling="lifo")
     with pytest.raises(ValueError, match="scheduling must be"):
         c.scheduling = "FCFS"

@@ -1,7 +1,7 @@
 """Property tests over random request streams (hypothesis).
 
 Random prompt lengths (with shared prefixes), max_tokens, min_tokens, priorities (under FCFS,
-priority or SJF scheduling, with or without a long-prefill cap), either preemption victim rule
+priority, SJF or fair-share scheduling, with or without a long-prefill cap), either preemption victim rule
 (the request served last, the least computed), ATOM's or mixed batches, decode-block
 caching on or off, arrivals between steps,
 aborts, EOS / stop tokens / stop sequences, small pools that force preemption, K in {0, 1, 3},
@@ -114,7 +114,7 @@ def scenarios(draw: Any, aborts: bool = True, vetoes: bool = False) -> Scenario:
         eos_token_id=EOS,
         stop_token_ids=[STOP_ID],
         policy=draw(st.sampled_from(["atom", "mixed"])),
-        scheduling=draw(st.sampled_from(["fcfs", "priority", "sjf"])),
+        scheduling=draw(st.sampled_from(["fcfs", "priority", "sjf", "fair"])),
         preemption_victim=draw(st.sampled_from(["service_order", "least_computed"])),
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 16])) if chunked else 0,
         cache_decode_blocks=draw(st.booleans()),
@@ -216,6 +216,7 @@ def run(scn: Scenario, mode: str) -> Driver:
                     max_tokens=r.max_tokens,
                     min_tokens=r.min_tokens,
                     priority=r.priority,
+                    tenant=f"t{r.rid % 3}",  # (scheduling="fair" only counts it)
                     ignore_eos=r.ignore_eos,
                     logprobs=r.logprobs,
                     stop_token_sequences=[STOP_SEQ] if r.special == "seq" else [],

@@ -11,6 +11,7 @@ import json
 import math
 import pickle
 
+import numpy as np
 import pytest
 from support import make_driver, prompt, sp, state_snapshot
 
@@ -32,7 +33,7 @@ def test_config_fields_are_validated_and_kept():
     with pytest.raises(ValueError, match="preemption_victim must be 'service_order' or "
                                          "'least_computed', got 'lifo'"):
         SchedulerConfig(num_blocks=16, preemption_victim="lifo")
-    with pytest.raises(ValueError, match="scheduling must be 'fcfs', 'priority' or 'sjf'"):
+    with pytest.raises(ValueError, match="scheduling must be 'fcfs', 'priority', 'sjf' or 'fair'"):
         c.scheduling = "SJF"
     assert c.scheduling == "sjf"
     for bad in (0.0, -1.0, math.nan, math.inf):
@@ -70,6 +71,49 @@ def test_watermark_runs_agree_with_the_oracle(mode, k):
     d.run()
     d.check_all_done()
     d.check_against_oracle()
+
+
+def test_fair_share_config_and_tenant_are_validated_and_kept():
+    c = SchedulerConfig(num_blocks=16, scheduling="fair", tenant_weights={"a": 3.0, "b": 1})
+    assert c.scheduling == "fair" and c.tenant_weights == {"a": 3.0, "b": 1.0}
+    for d in (copy.deepcopy(c), pickle.loads(pickle.dumps(c))):
+        assert d.scheduling == "fair" and d.tenant_weights == {"a": 3.0, "b": 1.0}
+    assert SchedulerConfig(num_blocks=16).tenant_weights == {}
+    with pytest.raises(TypeError, match="tenant_weights must be a dict"):
+        SchedulerConfig(num_blocks=16, tenant_weights=[("a", 1.0)])
+    with pytest.raises(TypeError, match="a tenant_weights key must be str"):
+        SchedulerConfig(num_blocks=16, tenant_weights={b"a": 1.0})
+    with pytest.raises(TypeError, match="a weight must be a number"):
+        SchedulerConfig(num_blocks=16, tenant_weights={"a": "1"})
+    for bad in (0.0, -2.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="the weight of tenant 'a' must be a finite number"):
+            Scheduler(SchedulerConfig(num_blocks=16, scheduling="fair",
+                                      tenant_weights={"a": bad}))
+    p = SamplingParams(tenant="acme")
+    assert p.tenant == "acme" and pickle.loads(pickle.dumps(p)).tenant == "acme"
+    with pytest.raises(TypeError, match="tenant must be str"):
+        SamplingParams(tenant=b"acme")
+    with pytest.raises(ValueError, match="tenant must be at most 256 bytes"):
+        SamplingParams(tenant="x" * 257)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("k", [0, 2])
+def test_fair_share_serves_a_light_tenant_beside_a_flood(mode, k):
+    """Tenant a sends 8 prompts before tenant b's 2: FCFS admits all of a's first; fair share
+    (both at 0, then b behind) admits b's first prompt second. Under KV pressure every request
+    still ends with the oracle's tokens."""
+    d = make_driver(mode, num_blocks=13, block_size=4, scheduling="fair",
+                    enable_chunked_prefill=False, max_num_batched_tokens=8,
+                    num_speculative_tokens=k, enable_prefix_caching=False)
+    for rid in range(8):
+        d.add(rid, prompt(8, 100 * rid), sp(max_tokens=10, tenant="a"))
+    for rid in (8, 9):
+        d.add(rid, prompt(8, 100 * rid), sp(max_tokens=10, tenant="b"))
+    d.run()
+    d.check_all_done()
+    d.check_against_oracle()
+    assert first_admissions(d)[:2] == [0, 8]
 
 
 def test_length_hint_is_kept_and_validated():
@@ -178,6 +222,32 @@ def test_length_hints_are_exact_or_log_normal():
     assert min(ratios) < 0.9 and max(ratios) > 1.1 and all(h >= 1 for hs in noisy for h in hs)
 
 
+def test_simulator_reports_each_tenant_and_fair_share_protects_the_light_one():
+    """A flood: 80% of the conversations are tenant t0's, all offered at once. Under FCFS the
+    light tenant t1 waits behind t0's backlog; under fair share its TTFT drops, and each run
+    reports every tenant's requests, tokens, TTFT and ITL."""
+    from atom_sched.sim import report
+
+    convs = workloads.synthetic("chat", num_conversations=60, seed=4, max_model_len=1024,
+                                max_tokens=150)
+    for i, c in enumerate(convs):
+        c.tenant = "t1" if i % 5 == 4 else "t0"
+    runs = {}
+    for scheduling in ("fcfs", "fair"):
+        cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_seqs=8,
+                              max_num_batched_tokens=256, max_model_len=1024,
+                              scheduling=scheduling)
+        runs[scheduling] = simulate(convs, cfg, rate=math.inf, label=scheduling)
+    for r in runs.values():
+        by_tenant = report.summary(r)["by_tenant"]
+        assert sorted(by_tenant) == ["t0", "t1"]
+        assert by_tenant["t1"]["requests"] == 12 and by_tenant["t0"]["requests"] == 48
+        assert sum(v["output_tokens"] for v in by_tenant.values()) == r.output_tokens
+    light = {k: float(np.median(r.ttft(tenant="t1"))) for k, r in runs.items()}
+    assert light["fair"] < 0.5 * light["fcfs"], light
+    assert "fair: tenant t1: 12 requests" in report.format_table(list(runs.values()))
+
+
 def test_simulate_cli_runs_the_cross_product(tmp_path, capsys):
     out = tmp_path / "o"
     assert main(["simulate", "--workload", "chat", "--conversations", "30", "--rate", "5",
@@ -198,7 +268,24 @@ def test_simulate_cli_runs_the_cross_product(tmp_path, capsys):
     assert "mixed, sjf, least computed, watermark 4" in capsys.readouterr().out
 
 
+def test_simulate_cli_with_tenants(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert main(["simulate", "--workload", "chat", "--conversations", "30", "--rate", "1000",
+                 "--kv-blocks", "300", "--policy", "mixed", "--scheduling", "fcfs,fair",
+                 "--tenants", "0.8,0.2", "--tenant-weights", "1,2", "--no-progress",
+                 "--out", str(out)]) == 0
+    runs = json.loads((out / "sim.json").read_text())["runs"]
+    assert [r["label"] for r in runs] == ["mixed", "mixed, fair"]
+    for r in runs:
+        assert r["config"]["tenant_weights"] == {"t0": 1.0, "t1": 2.0}
+        assert set(r["by_tenant"]) == {"t0", "t1"}
+        assert sum(t["requests"] for t in r["by_tenant"].values()) == r["requests"]
+    assert "mixed, fair: tenant t1:" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flag, value", [("--scheduling", "fifo"), ("--scheduling", "fcfs,"),
+                                         ("--tenants", "0.5,0.6"), ("--tenants", "0,1"),
+                                         ("--tenant-weights", "1"),
                                          ("--victim", "lifo"), ("--sjf-aging-rate", "0"),
                                          ("--sjf-aging-rate", "nan"),
                                          ("--length-hint-error", "-1"),

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,7 @@ enum class SchedulingPolicy : uint8_t {
   kFcfs,      // ATOM's: arrival order; the victim is the request admitted last
   kPriority,  // vLLM's: (priority, arrival_time) ascending; the victim is the lowest priority
   kSjf,       // shortest job first with aging: by arrival_time + job tokens / sjf_aging_rate
+  kFairShare,  // weighted fair share of tokens between tenants (tenant_shares.h); FCFS within
 };
 
 /// Which running request a step preempts when the KV pool is short (policy.h's VictimChoice).
@@ -63,6 +65,9 @@ struct SchedulerConfig {
   // request runs: with none running, a request that fits is admitted (it could wait forever
   // otherwise). 0: ATOM's rule, admitted when it fits.
   int32_t admission_watermark_blocks = 0;
+  // kFairShare: each tenant's weight (finite, > 0); a tenant not listed weighs 1. Names are at
+  // most kMaxExtraKeyBytes bytes.
+  std::map<std::string, double> tenant_weights;
   // > 0: one request prefills at most this many tokens per step, so a long prompt cannot take
   // the whole budget (vLLM's; needs chunked prefill). 0: no cap.
   int32_t long_prefill_token_threshold = 0;
@@ -102,6 +107,7 @@ struct SamplingParams {
   int64_t seed = -1;         // the sampler's seed for this request; -1: the engine chooses
   int32_t priority = 0;      // scheduling=kPriority only: smaller is served first (vLLM's)
   int32_t length_hint = 0;   // scheduling=kSjf: expected output tokens (0: max_tokens is used)
+  std::string tenant;        // scheduling=kFairShare: whose share it counts against ("": a tenant)
   // vLLM's extra keys of the block hashes: requests share cached blocks only when both are equal
   // (tenants with different salts, or different LoRA adapters, never share a block). Empty: none.
   std::string cache_salt;

@@ -23,9 +23,12 @@ struct ServiceOrder {
 
   /// FCFS orders nothing: a queue keeps the order of its insertions (arrivals at the back of
   /// waiting, a preempted request back at its head, admissions at the back of running), so the
-  /// request served last is the one admitted last, as ATOM. Priority and SJF keep both queues
-  /// sorted by this.
-  [[nodiscard]] bool sorted() const noexcept { return policy != SchedulingPolicy::kFcfs; }
+  /// request served last is the one admitted last, as ATOM. Fair share keeps FCFS order and
+  /// picks among the tenants at admission (Scheduler::fair_pick()). Priority and SJF keep both
+  /// queues sorted by this.
+  [[nodiscard]] bool sorted() const noexcept {
+    return policy == SchedulingPolicy::kPriority || policy == SchedulingPolicy::kSjf;
+  }
 
   /// Whether `a` is served strictly before `b` (admitted first; running, preempted after it).
   /// Priority: (priority, arrival_time, add order), smallest first, as vLLM. SJF: (sjf_key, add
@@ -44,19 +47,26 @@ struct ServiceOrder {
 struct VictimChoice {
   PreemptionVictim rule = PreemptionVictim::kServiceOrder;
   SchedulingPolicy policy = SchedulingPolicy::kFcfs;
+  const double* tenant_counters = nullptr;  // kFairShare: [tenant id] (tenant_shares.h)
 
-  /// kServiceOrder: the candidate served last is the victim, which in a running set kept in
-  /// service order is its tail.
-  [[nodiscard]] bool takes_tail() const noexcept { return rule == PreemptionVictim::kServiceOrder; }
+  /// The candidate served last is the victim (kServiceOrder, and no tenants to weigh), which in
+  /// a running set kept in service order is its tail.
+  [[nodiscard]] bool takes_tail() const noexcept {
+    return rule == PreemptionVictim::kServiceOrder && policy != SchedulingPolicy::kFairShare;
+  }
 
-  /// kLeastComputed: whether candidate `a` is preempted before `b`: a lower priority first
-  /// (priority scheduling only: no request is preempted for a lower-priority one), then fewer
-  /// computed tokens (the KV its readmission computes again). The caller walks the candidates
-  /// from the one served last and takes a strictly better one, so ties go to the one served last.
+  /// Whether candidate `a` is preempted before `b`. First the larger share: the tenant with the
+  /// larger counter (fair share), or the lower priority (priority scheduling: no request is
+  /// preempted for a lower-priority one). Then, with kLeastComputed, fewer computed tokens (the
+  /// KV its readmission computes again). The caller walks the candidates from the one served
+  /// last and takes a strictly better one, so ties go to the one served last.
   [[nodiscard]] bool before(const Request& a, const Request& b) const noexcept {
+    if (policy == SchedulingPolicy::kFairShare && a.tenant != b.tenant)
+      return tenant_counters[a.tenant] > tenant_counters[b.tenant];
     if (policy == SchedulingPolicy::kPriority && a.priority != b.priority)
       return a.priority > b.priority;
-    return a.num_computed_tokens < b.num_computed_tokens;
+    return rule == PreemptionVictim::kLeastComputed &&
+           a.num_computed_tokens < b.num_computed_tokens;
   }
 };
 

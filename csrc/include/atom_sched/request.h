@@ -87,6 +87,7 @@ struct alignas(64) Request {
   std::vector<uint64_t> block_hashes; // chain hashes of the leading full blocks of `tokens`
   double arrival_time = 0.0;
   double sjf_key = 0.0;  // scheduling=kSjf: arrival_time + job tokens / sjf_aging_rate
+  int32_t tenant = -1;   // scheduling=kFairShare: its TenantShares id while live
   std::optional<uint64_t> hash_namespace;  // parent of block 0 (hash_namespace() of the keys)
   std::string lora_name, cache_salt;       // the extra keys, for KV events
   int32_t priority = 0;

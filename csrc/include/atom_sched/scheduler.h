@@ -33,6 +33,7 @@
 #include "atom_sched/policy.h"
 #include "atom_sched/request.h"
 #include "atom_sched/step_output.h"
+#include "atom_sched/tenant_shares.h"
 
 namespace atom_sched {
 
@@ -350,11 +351,22 @@ class Scheduler {
   /// The admission chunk rule of this configuration (policy.h).
   [[nodiscard]] PrefillChunk prefill_chunk() const;
   /// The running request preempted first among running_[from..] (policy.h's VictimChoice).
-  [[nodiscard]] int32_t preemption_victim(size_t from) const;
+  [[nodiscard]] int32_t preemption_victim(size_t from);
   /// Whether preempting every running request after running_[at] would free `missing` blocks
   /// (blocks shared with others stay), whichever order the victims are taken in.
   [[nodiscard]] bool preemption_can_free(size_t at, int32_t missing);
   void preempt(int32_t slot);
+  /// scheduling=kFairShare: each tenant's counter now, in tenant_counters_ ([tenant id]; tokens
+  /// charged plus those of its running admissions, over its weight).
+  void update_tenant_counters();
+  void check_tenants() const;  // check_invariants()'s part for the tenants
+  /// scheduling=kFairShare: the waiting request admitted next: the first, in waiting order, of
+  /// the tenant with the least counter in `counters`, skipping the slots in `skip`; -1 if none.
+  [[nodiscard]] int32_t fair_pick(const std::vector<double>& counters,
+                                  std::span<const int32_t> skip = {}) const;
+  [[nodiscard]] bool fair_share() const noexcept {
+    return config_.scheduling == SchedulingPolicy::kFairShare;
+  }
   void reject(int32_t slot, std::string reason);  // finished as unschedulable, reported
   void take_device_slot(Request& r);
   void release_kv(Request& r, bool keep_blocks = false);  // blocks, state and device slots
@@ -519,6 +531,8 @@ class Scheduler {
   std::vector<int32_t> victim_refs_;  // [num_blocks], 0 between calls: preemption_can_free()
   uint64_t next_epoch_ = 1;
   uint64_t next_arrival_seq_ = 0;
+  TenantShares tenants_;                 // scheduling=kFairShare only
+  std::vector<double> tenant_counters_;  // update_tenant_counters()'s, [tenant id]
 };
 
 // The steady columns' rules, inline: sync_steady() runs on every path that changes a running
