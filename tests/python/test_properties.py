@@ -1,8 +1,8 @@
 """Property tests over random request streams (hypothesis).
 
 Random prompt lengths (with shared prefixes), max_tokens, min_tokens, priorities (under FCFS,
-priority, SJF or fair-share scheduling, with or without a long-prefill cap), either preemption victim rule
-(the request served last, the least computed), ATOM's or mixed batches, decode-block
+priority, SJF or fair-share scheduling, with or without a long-prefill cap), either preemption
+victim rule (the request served last, the least computed), ATOM's or mixed batches, decode-block
 caching on or off, arrivals between steps,
 aborts, EOS / stop tokens / stop sequences, small pools that force preemption, K in {0, 1, 3},
 chunked or not, prefix caching on or off, both step protocols. After every schedule and update the
