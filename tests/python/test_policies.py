@@ -10,7 +10,7 @@ import pickle
 
 import numpy as np
 import pytest
-from support import make_driver, prompt, sp, state_snapshot
+from support import admission_order, make_driver, prompt, sp, state_snapshot
 
 from atom_sched import SamplingParams, Scheduler, SchedulerConfig
 
@@ -56,16 +56,6 @@ def test_arrival_time_must_be_finite(bad):
     with pytest.raises(ValueError, match="arrival_time must be finite"):
         s.add_request(0, prompt(4), SamplingParams(), arrival_time=bad)
     assert not s.has_unfinished_requests()
-
-
-def admission_order(d) -> list[int]:
-    """Request ids in the order their first prefill row was scheduled."""
-    seen: list[int] = []
-    for b in d.batches:
-        for rid, cached in zip(b.req_ids, b.num_cached_tokens, strict=True):
-            if b.is_prefill and cached == 0 and rid not in seen:
-                seen.append(rid)
-    return seen
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -13,7 +13,7 @@ import pickle
 
 import numpy as np
 import pytest
-from support import make_driver, prompt, sp, state_snapshot
+from support import admission_order, make_driver, prompt, sp, state_snapshot
 
 from atom_sched import SamplingParams, Scheduler, SchedulerConfig
 from atom_sched.cli import main
@@ -113,7 +113,7 @@ def test_fair_share_serves_a_light_tenant_beside_a_flood(mode, k):
     d.run()
     d.check_all_done()
     d.check_against_oracle()
-    assert first_admissions(d)[:2] == [0, 8]
+    assert admission_order(d)[:2] == [0, 8]
 
 
 def test_length_hint_is_kept_and_validated():
@@ -129,16 +129,6 @@ def test_length_hint_is_kept_and_validated():
         s.add_request(1, prompt(4), SamplingParams(priority=1))
     assert state_snapshot(s) == before
     s.check_invariants()
-
-
-def first_admissions(d) -> list[int]:
-    """Request ids in the order their first prefill row was scheduled."""
-    seen: list[int] = []
-    for b in d.batches:
-        for rid, cached in zip(b.req_ids, b.num_cached_tokens, strict=True):
-            if b.is_prefill and cached == 0 and rid not in seen:
-                seen.append(rid)
-    return seen
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -158,7 +148,7 @@ def test_sjf_admits_short_jobs_first_and_ages_long_ones(mode, k):
     d.run()
     d.check_all_done()
     d.check_against_oracle()
-    assert first_admissions(d) == [2, 3, 1, 0, 4]
+    assert admission_order(d) == [2, 3, 1, 0, 4]
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -12,7 +12,7 @@
 """
 
 from .checks import BatchRecord, event_kind, state_snapshot
-from .driver import Driver, drive, make_config, make_driver, prompt, sp
+from .driver import Driver, admission_order, drive, make_config, make_driver, prompt, sp
 from .fake_model import EOS, FakeModel, mix
 from .oracle import cdiv, expected_output, final_length, position_limit, rejection_reason
 
@@ -20,6 +20,7 @@ __all__ = [
     "EOS",
     "BatchRecord",
     "Driver",
+    "admission_order",
     "FakeModel",
     "cdiv",
     "drive",

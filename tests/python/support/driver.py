@@ -350,6 +350,16 @@ def drive(
     return d.run(hook=hook)
 
 
+def admission_order(d: Driver) -> list[int]:
+    """Request ids in the order their first prefill row was scheduled."""
+    seen: list[int] = []
+    for b in d.batches:
+        for rid, cached in zip(b.req_ids, b.num_cached_tokens, strict=True):
+            if b.is_prefill and cached == 0 and rid not in seen:
+                seen.append(rid)
+    return seen
+
+
 def sp(**kw: Any) -> SamplingParams:
     return SamplingParams(**kw)
 
