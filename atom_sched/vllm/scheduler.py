@@ -37,6 +37,8 @@ from atom_sched.vllm.options import policy_options
 # Under vLLM's logger, so that its handlers (the server's log) show these lines.
 logger = logging.getLogger("vllm.atom_sched")
 
+
+
 __all__ = ["AtomScheduler", "UnsupportedFeature"]
 
 
@@ -61,9 +63,8 @@ class _Tracked:
     request: Request
     core_id: int
     eos_token_id: int | None
-    # Blocks the model runner knows for this request (its block table's length), and whether
-    # it holds the request's state: False before the first schedule and after a preemption.
-    num_blocks_sent: int = 0
+    # Whether the model runner holds the request's state (its block table): False before the
+    # first schedule and after a preemption.
     on_runner: bool = False
     ever_scheduled: bool = False
 
@@ -335,60 +336,63 @@ class AtomScheduler(SchedulerInterface):
         num_scheduled: dict[str, int] = {}
         row_req_ids: list[str] = []
         if batch is not None:
-            num_rows = batch.num_rows
-            req_ids = batch.req_ids
-            n_sched = batch.num_scheduled_tokens
-            starts = batch.num_cached_tokens
-            tables = batch.block_tables
-            for row in range(num_rows):
-                rid = self._by_core_id[int(req_ids[row])]
-                tracked = self._tracked[rid]
+            # The batch's columns as Python lists at once (a numpy scalar per element costs
+            # more than the whole row's bookkeeping). The blocks each row gets this step are the
+            # core's device plan: new_block_ids[new_block_offsets[r]:new_block_offsets[r + 1]],
+            # appended at the row's slot table, or its whole table when the slot starts a new
+            # admission or a resume: what vLLM's runner appends, or takes as the new table.
+            core_ids = batch.req_ids.tolist()
+            n_sched = batch.num_scheduled_tokens.tolist()
+            starts = batch.num_cached_tokens.tolist()
+            offsets = batch.new_block_offsets.tolist()
+            plan_blocks = batch.new_block_ids.tolist()
+            by_core_id = self._by_core_id
+            tracked_of = self._tracked
+            row_req_ids = [by_core_id[c] for c in core_ids]
+            num_scheduled = dict(zip(row_req_ids, n_sched, strict=True))
+            for row, rid in enumerate(row_req_ids):
+                tracked = tracked_of[rid]
                 request = tracked.request
-                n = int(n_sched[row])
-                start = int(starts[row])
-                table = tables[row]
-                # Blocks in use: the row's table up to its first null-block pad (block 0 is
-                # never allocated by the core, as in vLLM's pool).
-                pads = np.flatnonzero(table == 0)
-                nblocks = int(pads[0]) if pads.size else int(table.shape[0])
-                row_req_ids.append(rid)
-                num_scheduled[rid] = n
-                request.num_computed_tokens = start
-                request.status = RequestStatus.RUNNING
-                if not tracked.ever_scheduled:
-                    tracked.ever_scheduled = True
-                    if request.prefill_stats is not None:
-                        request.prefill_stats.set(request.num_prompt_tokens, start, 0)
-                    if self.log_stats:
-                        request.record_event(EngineCoreEventType.SCHEDULED)
-                    block_ids = (table[:nblocks].tolist(),)
-                    new_reqs.append(NewRequestData.from_request(request, block_ids))
-                elif not tracked.on_runner:
-                    # Resumed after a preemption: the runner replaces its block table.
-                    block_ids = (table[:nblocks].tolist(),)
-                    if self.log_stats:
-                        request.record_event(EngineCoreEventType.SCHEDULED)
-                    if self.use_v2_model_runner:
-                        new_reqs.append(NewRequestData.from_request(
-                            request, block_ids, list(request.all_token_ids)))
-                    else:
-                        cached_ids.append(rid)
-                        resumed_ids.add(rid)
-                        cached_new_blocks.append(block_ids)
-                        cached_computed.append(start)
-                        cached_outputs.append(request.num_output_tokens)
-                        all_token_ids[rid] = list(request.all_token_ids)
-                else:
-                    new = table[tracked.num_blocks_sent:nblocks].tolist()
+                start = starts[row]
+                lo, hi = offsets[row], offsets[row + 1]
+                if tracked.on_runner:
+                    # The common row: the runner holds the request; only new blocks travel.
+                    # (Its status is RUNNING since it went on the runner: a preemption takes it
+                    # off, a finish frees it.)
                     cached_ids.append(rid)
-                    cached_new_blocks.append((new,) if new else None)
+                    cached_new_blocks.append((plan_blocks[lo:hi],) if hi > lo else None)
                     cached_computed.append(start)
                     cached_outputs.append(request.num_output_tokens)
-                tracked.num_blocks_sent = nblocks
-                tracked.on_runner = True
-                request.num_computed_tokens = start + n
+                else:
+                    block_ids = (plan_blocks[lo:hi],)  # the slot's whole table
+                    request.num_computed_tokens = start
+                    request.status = RequestStatus.RUNNING
+                    tracked.on_runner = True
+                    if not tracked.ever_scheduled:
+                        tracked.ever_scheduled = True
+                        if request.prefill_stats is not None:
+                            request.prefill_stats.set(request.num_prompt_tokens, start, 0)
+                        if self.log_stats:
+                            request.record_event(EngineCoreEventType.SCHEDULED)
+                        new_reqs.append(NewRequestData.from_request(request, block_ids))
+                    else:
+                        # Resumed after a preemption: the runner replaces its block table.
+                        if self.log_stats:
+                            request.record_event(EngineCoreEventType.SCHEDULED)
+                        if self.use_v2_model_runner:
+                            new_reqs.append(NewRequestData.from_request(
+                                request, block_ids, list(request.all_token_ids)))
+                        else:
+                            cached_ids.append(rid)
+                            resumed_ids.add(rid)
+                            cached_new_blocks.append(block_ids)
+                            cached_computed.append(start)
+                            cached_outputs.append(request.num_output_tokens)
+                            all_token_ids[rid] = list(request.all_token_ids)
+                end = start + n_sched[row]
+                request.num_computed_tokens = end
                 # A row that ends short of the request's known tokens samples nothing.
-                request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
+                request.is_prefill_chunk = end < request.num_tokens
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -442,7 +446,6 @@ class AtomScheduler(SchedulerInterface):
         for rid, tracked in self._tracked.items():
             if tracked.on_runner and tracked.core_id not in running:
                 tracked.on_runner = False
-                tracked.num_blocks_sent = 0
                 request = tracked.request
                 request.status = RequestStatus.PREEMPTED
                 request.num_computed_tokens = 0
@@ -481,34 +484,45 @@ class AtomScheduler(SchedulerInterface):
     def _apply(self, step: _InFlight, mro: Any, outputs: dict[int, list[EngineCoreOutput]]
                ) -> None:
         batch = step.batch
+        row_req_ids = step.row_req_ids
         sampled_lists = mro.sampled_token_ids
         index = mro.req_id_to_index
-        emits = batch.emits_token
-        sampled = np.zeros(batch.num_rows, dtype=np.int32)
-        for row, rid in enumerate(step.row_req_ids):
-            i = index.get(rid)
-            toks = sampled_lists[i] if (i is not None and sampled_lists) else []
-            if toks:
-                sampled[row] = toks[0]
-            elif emits[row] and rid in self._tracked:
-                raise RuntimeError(
-                    f"the model runner sampled no token for request {rid!r}, whose row "
-                    "completes its prompt or decodes")
-        step_out = self.core.update(batch, sampled)
+        # Each row's first sampled token, None where the runner sampled none for it.
+        if sampled_lists:
+            per_row = [sampled_lists[i] if i is not None else None
+                       for i in map(index.get, row_req_ids)]
+            firsts = [toks[0] if toks else None for toks in per_row]
+        else:
+            firsts = [None] * len(row_req_ids)
+        if None in firsts:
+            emits = batch.emits_token
+            for row, tok in enumerate(firsts):
+                if tok is None:
+                    rid = row_req_ids[row]
+                    if emits[row] and rid in self._tracked:
+                        raise RuntimeError(
+                            f"the model runner sampled no token for request {rid!r}, whose row "
+                            "completes its prompt or decodes")
+                    firsts[row] = 0
+        step_out = self.core.update(batch, np.array(firsts, dtype=np.int32))
         logprobs = mro.logprobs
+        masks = getattr(mro, "sampling_masks", None) if self.return_sampling_mask else None
         prompt_logprobs = mro.prompt_logprobs_dict or {}
-        core_ids = step_out.request_ids
-        offsets = step_out.token_offsets
-        new_tokens = step_out.new_tokens
-        finished_flags = step_out.finished
-        cached = step_out.num_cached_tokens
-        for k in range(len(core_ids)):
-            rid = self._by_core_id.get(int(core_ids[k]))
+        # The step's columns as Python lists at once, as in schedule().
+        core_ids = step_out.request_ids.tolist()
+        offsets = step_out.token_offsets.tolist()
+        new_tokens = step_out.new_tokens.tolist()
+        finished_flags = step_out.finished.tolist()
+        cached = step_out.num_cached_tokens.tolist()
+        by_core_id = self._by_core_id
+        tracked_of = self._tracked
+        for k, core_id in enumerate(core_ids):
+            rid = by_core_id.get(core_id)
             if rid is None:
                 continue  # finished by vLLM (finish_requests) while in flight
-            tracked = self._tracked[rid]
+            tracked = tracked_of[rid]
             request = tracked.request
-            tokens = new_tokens[offsets[k]:offsets[k + 1]].tolist()
+            tokens = new_tokens[offsets[k]:offsets[k + 1]]
             if tokens:
                 request.append_output_token_ids(tokens)
             finish_reason = None
@@ -526,18 +540,19 @@ class AtomScheduler(SchedulerInterface):
                 finish_reason = request.get_finished_reason()
             new_logprobs = None
             new_sampling_mask = None
-            i = index.get(rid)
-            if (tokens and logprobs is not None and i is not None
-                    and request.sampling_params.logprobs is not None):
-                new_logprobs = logprobs.slice_request(i, len(tokens))
-            masks = getattr(mro, "sampling_masks", None)
-            if self.return_sampling_mask and tokens and masks is not None and i is not None:
-                new_sampling_mask = masks.slice_request(i, len(tokens))
-            prefill_stats = request.take_prefill_stats()
-            if prefill_stats is not None:
-                prefill_stats.finalize(int(cached[k]))
+            if tokens and (logprobs is not None or masks is not None):
+                i = index.get(rid)
+                if i is not None:
+                    if logprobs is not None and request.sampling_params.logprobs is not None:
+                        new_logprobs = logprobs.slice_request(i, len(tokens))
+                    if masks is not None:
+                        new_sampling_mask = masks.slice_request(i, len(tokens))
+            prefill_stats = None
+            if request.prefill_stats is not None:
+                prefill_stats = request.take_prefill_stats()
+                prefill_stats.finalize(cached[k])
                 self._prefix_stats.record(num_tokens=request.num_prompt_tokens,
-                                          num_hits=int(cached[k]),
+                                          num_hits=cached[k],
                                           preempted=request.num_preemptions > 0)
             outputs[request.client_index].append(EngineCoreOutput(
                 request_id=rid,
@@ -545,9 +560,9 @@ class AtomScheduler(SchedulerInterface):
                 finish_reason=finish_reason,
                 new_logprobs=new_logprobs,
                 new_sampling_mask=new_sampling_mask,
-                new_prompt_logprobs_tensors=prompt_logprobs.get(rid),
+                new_prompt_logprobs_tensors=prompt_logprobs.get(rid) if prompt_logprobs else None,
                 stop_reason=request.stop_reason,
-                events=request.take_events(),
+                events=request.take_events() if request.events else None,
                 prefill_stats=prefill_stats,
                 trace_headers=request.trace_headers,
             ))
