@@ -269,6 +269,13 @@ class AtomScheduler(SchedulerInterface):
         # vLLM's arrival times are wall-clock; the core wants a finite number that orders them.
         self.core.add_request(core_id, request.prompt_token_ids, params,
                               arrival_time=float(request.arrival_time))
+        # vLLM's engine core gives each request a block hasher for vLLM's own prefix cache: a
+        # sha256 of each block the request's tokens complete, run on every appended token
+        # (about a microsecond per request per step). The core hashes its blocks itself, and
+        # nothing vLLM runs with this class reads Request.block_hashes (vLLM's KVCacheManager
+        # is never built; KV connectors are refused), so the output tokens are not hashed for
+        # it: block_hashes keeps the prompt's blocks only.
+        request._block_hasher = None
         self.requests[rid] = request
         self._tracked[rid] = _Tracked(request, core_id, eos)
         self._by_core_id[core_id] = rid
@@ -350,49 +357,66 @@ class AtomScheduler(SchedulerInterface):
             tracked_of = self._tracked
             row_req_ids = [by_core_id[c] for c in core_ids]
             num_scheduled = dict(zip(row_req_ids, n_sched, strict=True))
-            for row, rid in enumerate(row_req_ids):
-                tracked = tracked_of[rid]
-                request = tracked.request
-                start = starts[row]
-                lo, hi = offsets[row], offsets[row + 1]
-                if tracked.on_runner:
-                    # The common row: the runner holds the request; only new blocks travel.
-                    # (Its status is RUNNING since it went on the runner: a preemption takes it
-                    # off, a finish frees it.)
-                    cached_ids.append(rid)
-                    cached_new_blocks.append((plan_blocks[lo:hi],) if hi > lo else None)
-                    cached_computed.append(start)
-                    cached_outputs.append(request.num_output_tokens)
-                else:
-                    block_ids = (plan_blocks[lo:hi],)  # the slot's whole table
-                    request.num_computed_tokens = start
-                    request.status = RequestStatus.RUNNING
-                    tracked.on_runner = True
-                    if not tracked.ever_scheduled:
-                        tracked.ever_scheduled = True
-                        if request.prefill_stats is not None:
-                            request.prefill_stats.set(request.num_prompt_tokens, start, 0)
-                        if self.log_stats:
-                            request.record_event(EngineCoreEventType.SCHEDULED)
-                        new_reqs.append(NewRequestData.from_request(request, block_ids))
+            tracked_rows = [tracked_of[rid] for rid in row_req_ids]
+            if all(t.on_runner for t in tracked_rows):
+                # Steady state: the runner holds every row's request. The same as the loop
+                # below, column by column: only the rows that got blocks carry them.
+                requests = [t.request for t in tracked_rows]
+                cached_ids = list(row_req_ids)
+                cached_computed = starts
+                cached_new_blocks = [None] * len(row_req_ids)
+                for row in np.flatnonzero(np.diff(batch.new_block_offsets)).tolist():
+                    cached_new_blocks[row] = (plan_blocks[offsets[row]:offsets[row + 1]],)
+                cached_outputs = [request.num_output_tokens for request in requests]
+                ends = (batch.num_cached_tokens + batch.num_scheduled_tokens).tolist()
+                for request, end in zip(requests, ends, strict=True):
+                    request.num_computed_tokens = end
+                    # A row that ends short of the request's known tokens samples nothing.
+                    request.is_prefill_chunk = end < request.num_tokens
+            else:
+                for row, tracked in enumerate(tracked_rows):
+                    rid = row_req_ids[row]
+                    request = tracked.request
+                    start = starts[row]
+                    lo, hi = offsets[row], offsets[row + 1]
+                    if tracked.on_runner:
+                        # The common row: the runner holds the request; only new blocks travel.
+                        # (Its status is RUNNING since it went on the runner: a preemption
+                        # takes it off, a finish frees it.)
+                        cached_ids.append(rid)
+                        cached_new_blocks.append((plan_blocks[lo:hi],) if hi > lo else None)
+                        cached_computed.append(start)
+                        cached_outputs.append(request.num_output_tokens)
                     else:
-                        # Resumed after a preemption: the runner replaces its block table.
-                        if self.log_stats:
-                            request.record_event(EngineCoreEventType.SCHEDULED)
-                        if self.use_v2_model_runner:
-                            new_reqs.append(NewRequestData.from_request(
-                                request, block_ids, list(request.all_token_ids)))
+                        block_ids = (plan_blocks[lo:hi],)  # the slot's whole table
+                        request.num_computed_tokens = start
+                        request.status = RequestStatus.RUNNING
+                        tracked.on_runner = True
+                        if not tracked.ever_scheduled:
+                            tracked.ever_scheduled = True
+                            if request.prefill_stats is not None:
+                                request.prefill_stats.set(request.num_prompt_tokens, start, 0)
+                            if self.log_stats:
+                                request.record_event(EngineCoreEventType.SCHEDULED)
+                            new_reqs.append(NewRequestData.from_request(request, block_ids))
                         else:
-                            cached_ids.append(rid)
-                            resumed_ids.add(rid)
-                            cached_new_blocks.append(block_ids)
-                            cached_computed.append(start)
-                            cached_outputs.append(request.num_output_tokens)
-                            all_token_ids[rid] = list(request.all_token_ids)
-                end = start + n_sched[row]
-                request.num_computed_tokens = end
-                # A row that ends short of the request's known tokens samples nothing.
-                request.is_prefill_chunk = end < request.num_tokens
+                            # Resumed after a preemption: the runner replaces its block table.
+                            if self.log_stats:
+                                request.record_event(EngineCoreEventType.SCHEDULED)
+                            if self.use_v2_model_runner:
+                                new_reqs.append(NewRequestData.from_request(
+                                    request, block_ids, list(request.all_token_ids)))
+                            else:
+                                cached_ids.append(rid)
+                                resumed_ids.add(rid)
+                                cached_new_blocks.append(block_ids)
+                                cached_computed.append(start)
+                                cached_outputs.append(request.num_output_tokens)
+                                all_token_ids[rid] = list(request.all_token_ids)
+                    end = start + n_sched[row]
+                    request.num_computed_tokens = end
+                    # A row that ends short of the request's known tokens samples nothing.
+                    request.is_prefill_chunk = end < request.num_tokens
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -516,17 +540,18 @@ class AtomScheduler(SchedulerInterface):
         cached = step_out.num_cached_tokens.tolist()
         by_core_id = self._by_core_id
         tracked_of = self._tracked
-        for k, core_id in enumerate(core_ids):
+        for k, (core_id, lo, hi, done, num_cached) in enumerate(
+                zip(core_ids, offsets[:-1], offsets[1:], finished_flags, cached, strict=True)):
             rid = by_core_id.get(core_id)
             if rid is None:
                 continue  # finished by vLLM (finish_requests) while in flight
             tracked = tracked_of[rid]
             request = tracked.request
-            tokens = new_tokens[offsets[k]:offsets[k + 1]]
+            tokens = new_tokens[lo:hi]
             if tokens:
                 request.append_output_token_ids(tokens)
             finish_reason = None
-            if finished_flags[k]:
+            if done:
                 reason = step_out.finish_reason(k) or ""
                 if reason in _LENGTH_REASONS:
                     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -550,9 +575,9 @@ class AtomScheduler(SchedulerInterface):
             prefill_stats = None
             if request.prefill_stats is not None:
                 prefill_stats = request.take_prefill_stats()
-                prefill_stats.finalize(cached[k])
+                prefill_stats.finalize(num_cached)
                 self._prefix_stats.record(num_tokens=request.num_prompt_tokens,
-                                          num_hits=cached[k],
+                                          num_hits=num_cached,
                                           preempted=request.num_preemptions > 0)
             outputs[request.client_index].append(EngineCoreOutput(
                 request_id=rid,
