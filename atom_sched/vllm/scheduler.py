@@ -56,11 +56,12 @@ def _refuse(feature: str, hint: str) -> UnsupportedFeature:
 _LENGTH_REASONS = {"max_tokens", "max_model_len", "kv_capacity"}
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tracked:
     """What this class keeps per live vLLM request besides the vLLM ``Request`` itself."""
 
     request: Request
+    rid: str
     core_id: int
     eos_token_id: int | None
     # Whether the model runner holds the request's state (its block table): False before the
@@ -154,6 +155,7 @@ class AtomScheduler(SchedulerInterface):
         self.requests: dict[str, Request] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._by_core_id: dict[int, str] = {}
+        self._tracked_by_core_id: dict[int, _Tracked] = {}  # the hot path's map
         self._next_core_id = itertools.count()
         # Ids finished since the last schedule() (the model runner frees their state), and per
         # client for include_finished_set (vLLM's multi-engine bookkeeping).
@@ -277,8 +279,10 @@ class AtomScheduler(SchedulerInterface):
         # it: block_hashes keeps the prompt's blocks only.
         request._block_hasher = None
         self.requests[rid] = request
-        self._tracked[rid] = _Tracked(request, core_id, eos)
+        tracked = _Tracked(request, rid, core_id, eos)
+        self._tracked[rid] = tracked
         self._by_core_id[core_id] = rid
+        self._tracked_by_core_id[core_id] = tracked
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
 
@@ -309,6 +313,7 @@ class AtomScheduler(SchedulerInterface):
     def _free(self, rid: str) -> None:
         tracked = self._tracked.pop(rid)
         self._by_core_id.pop(tracked.core_id, None)
+        self._tracked_by_core_id.pop(tracked.core_id, None)
         request = self.requests.pop(rid)
         self._preempted_since_schedule.discard(rid)
         self.finished_req_ids.add(rid)
@@ -353,11 +358,10 @@ class AtomScheduler(SchedulerInterface):
             starts = batch.num_cached_tokens.tolist()
             offsets = batch.new_block_offsets.tolist()
             plan_blocks = batch.new_block_ids.tolist()
-            by_core_id = self._by_core_id
-            tracked_of = self._tracked
-            row_req_ids = [by_core_id[c] for c in core_ids]
+            tracked_of = self._tracked_by_core_id
+            tracked_rows = [tracked_of[c] for c in core_ids]
+            row_req_ids = [t.rid for t in tracked_rows]
             num_scheduled = dict(zip(row_req_ids, n_sched, strict=True))
-            tracked_rows = [tracked_of[rid] for rid in row_req_ids]
             if all(t.on_runner for t in tracked_rows):
                 # Steady state: the runner holds every row's request. The same as the loop
                 # below, column by column: only the rows that got blocks carry them.
@@ -538,14 +542,13 @@ class AtomScheduler(SchedulerInterface):
         new_tokens = step_out.new_tokens.tolist()
         finished_flags = step_out.finished.tolist()
         cached = step_out.num_cached_tokens.tolist()
-        by_core_id = self._by_core_id
-        tracked_of = self._tracked
+        tracked_of = self._tracked_by_core_id
         for k, (core_id, lo, hi, done, num_cached) in enumerate(
                 zip(core_ids, offsets[:-1], offsets[1:], finished_flags, cached, strict=True)):
-            rid = by_core_id.get(core_id)
-            if rid is None:
+            tracked = tracked_of.get(core_id)
+            if tracked is None:
                 continue  # finished by vLLM (finish_requests) while in flight
-            tracked = tracked_of[rid]
+            rid = tracked.rid
             request = tracked.request
             tokens = new_tokens[lo:hi]
             if tokens:
