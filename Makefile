@@ -41,7 +41,7 @@ CMAKE_COMMON := -G Ninja -DATOM_SCHED_BUILD_TESTS=ON -DATOM_SCHED_BUILD_PYTHON=O
 SANITIZER_ENV := ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
 
 .PHONY: deps deps-build test-all help venv install demo demo-toy bench-engine build-cpp test-cpp build-asan test-asan test-python test bench clean distclean \
-        build-cuda check-hip gpu-check gpu-check-rehearsal fuzz lint bench-device test-vllm
+        build-cuda check-hip gpu-check gpu-check-rehearsal fuzz lint bench-device test-vllm bench-vllm
 
 help:
 	@echo "make demo          set up, build, install, then serve SmolLM2-135M with the example engine"
@@ -63,6 +63,7 @@ help:
 	@echo "make bench-device  the device builder's CPU reference path, cost per row"
 	@echo "make bench         run the benchmarks (atom-sched bench)"
 	@echo "make bench-engine  tokens/s of the example engine vs transformers' generate"
+	@echo "make bench-vllm    vLLM's own scheduler vs AtomScheduler, ms per step at 256/1,024/4,096 running"
 	@echo "make clean         remove build trees; make distclean also removes $(VENV)"
 
 # ---- System packages (Debian 12) -------------------------------------------------------------------
@@ -233,6 +234,16 @@ test-vllm:
 	cd tests/vllm && $(CURDIR)/$(VLLM_VENV)/bin/python -m pytest -q .
 	VLLM_VENV=$(CURDIR)/$(VLLM_VENV) scripts/vllm_upstream_tests.sh
 	VLLM_VENV=$(CURDIR)/$(VLLM_VENV) scripts/vllm_upstream_tests.sh --control
+
+# vLLM's own scheduler against AtomScheduler: schedule() + update_from_output() per steady decode
+# step at 256, 1,024 and 4,096 running, side by side (docs/vllm.md "Speed"; about 3 minutes). A
+# benchmark, not part of make test. BENCH_VLLM_ARGS passes options (--sizes, --steps, --rounds,
+# --profile N).
+BENCH_VLLM_ARGS ?=
+bench-vllm:
+	scripts/vllm_venv.sh
+	$(CURDIR)/$(VLLM_VENV)/bin/python benchmarks/vllm_scheduler_bench.py \
+	  --json bench_out/vllm_scheduler.json $(BENCH_VLLM_ARGS)
 
 # The example engine (atom_sched/engine): SmolLM2-135M-Instruct on the CPU answers several prompts
 # served together (continuous batching; a 10-block KV pool and a 32-token budget, so chunked

@@ -44,6 +44,7 @@ import math
 import os
 import platform
 import pstats
+import shlex
 import statistics
 import subprocess
 import sys
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     import atom_sched
 
     meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "command": shlex.join([os.path.relpath(sys.executable)] + sys.argv),
             "uptime_start": _load(), "python": platform.python_version(),
             "vllm": vllm.__version__, "atom_sched": atom_sched.__version__,
             "platform": platform.platform(), "cpu_count": os.cpu_count(),
