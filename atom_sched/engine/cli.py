@@ -102,6 +102,9 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
                         "served last, ATOM's; default) or least_computed")
     e.add_argument("--sjf-aging-rate", type=sjf_aging_rate(), default=100.0,
                    help="sjf: job tokens credited per second waited (default 100)")
+    e.add_argument("--tenants", type=text(MAX_STOP_CHARS), default=None, metavar="A[,B...]",
+                   help="fair: prompt i belongs to tenant i modulo the names given (equal "
+                        "weights; each name at most 256 bytes)")
     e.add_argument("--admission-watermark", type=bounded_int(0, MAX_KV_TOKENS), default=0,
                    metavar="BLOCKS",
                    help="KV blocks an admission leaves free for the running requests' growth, "
@@ -182,6 +185,8 @@ FLAG_OF_FIELD = {
     "max_num_seqs": "--max-num-seqs", "num_speculative_tokens": "--spec",
     "max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k",
     "top_p": "--top-p", "seed": "--seed", "min_tokens": "--min-tokens",
+    "admission_watermark_blocks": "--admission-watermark", "sjf_aging_rate": "--sjf-aging-rate",
+    "tenant": "--tenants",
 }
 
 
@@ -234,6 +239,8 @@ def check_args(args: argparse.Namespace) -> str | None:
                         admission_watermark_blocks=args.admission_watermark).validate()
         SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, min_tokens=args.min_tokens)
+        for name in _tenants(args):
+            SamplingParams(tenant=name)
     except (TypeError, ValueError) as e:
         return in_flags(str(e).splitlines()[0])
     return None
@@ -337,14 +344,21 @@ def _engine_config(args: argparse.Namespace) -> dict:
         ngram_max=args.ngram, seed=args.seed or 0)
 
 
+def _tenants(args: argparse.Namespace) -> list[str]:
+    return args.tenants.split(",") if args.tenants else [""]
+
+
 def _params(args: argparse.Namespace) -> list:
-    """One GenerationParams per prompt (prompt i samples with seed + i)."""
+    """One GenerationParams per prompt (prompt i samples with seed + i, and belongs to the i-th
+    tenant of --tenants, round robin)."""
     from . import GenerationParams
 
+    tenants = _tenants(args)
     return [GenerationParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=None if args.seed is None else args.seed + i, stop=args.stop,
-        ignore_eos=args.ignore_eos, min_tokens=args.min_tokens) for i in range(len(args.prompts))]
+        ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
+        tenant=tenants[i % len(tenants)]) for i in range(len(args.prompts))]
 
 
 def _run_disagg(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

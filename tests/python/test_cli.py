@@ -117,6 +117,18 @@ def test_sampling_without_seed_draws_and_prints_one():
     assert "sampling seed" in r.stderr.decode()
 
 
+def test_generate_with_issue_30_policies_keeps_the_greedy_answers():
+    """`generate` reaches the policies: fair share between two tenants, least-computed victims,
+    an admission watermark; --check verifies every answer against transformers'."""
+    prompts = ["What is 2+2?", "Name a color.", "Say hi."]
+    r = run_cli("generate", "--no-stream", "--check", "--max-tokens", "12", "--kv-blocks", "8",
+                "--scheduling", "fair", "--tenants", "a,b", "--preemption-victim",
+                "least_computed", "--admission-watermark", "1", *prompts)
+    out = r.stdout.decode()
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert out.count("equal to transformers' generate") == len(prompts), out
+
+
 def test_request_outgrowing_the_kv_pool_finishes_kv_capacity():
     """Issue 12 items 1-2: a request that outgrows the whole pool (3 blocks of 16) ends cleanly
     with its tokens and the reason kv_capacity: no hang, no preemption of itself, no traceback."""

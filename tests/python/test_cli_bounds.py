@@ -86,7 +86,8 @@ BAD_GENERATE = [
     (["--scheduling", "lifo"], ["--scheduling"]),
     (["--preemption-victim", "random"], ["--preemption-victim"]),
     (["--admission-watermark", "-1"], ["--admission-watermark"]),
-    (["--admission-watermark", "511"], ["admission_watermark_blocks"]),
+    (["--tenants", "a," + "x" * 257], ["--tenants must be at most 256 bytes"]),
+    (["--admission-watermark", "511"], ["--admission-watermark must be in 0..--kv-blocks - 2"]),
     # Combinations that failed only later: a KV pool of 2.6 M tokens (about 120 GB of float32
     # KV), and block tables of 65,536 rows x 8,194 blocks (8 GiB)
     (["--kv-blocks", "2600", "--block-size", "1024"], ["--kv-blocks", "--block-size"]),
