@@ -212,7 +212,9 @@ void bind_config(py::module_& m) {
       .def_readwrite("admission_watermark_blocks", &SchedulerConfig::admission_watermark_blocks)
       .def_property(
           "tenant_weights", [](const SchedulerConfig& c) { return c.tenant_weights; },
-          [](SchedulerConfig& c, const py::object& v) { c.tenant_weights = tenant_weights_from(v); })
+          [](SchedulerConfig& c, const py::object& v) {
+            c.tenant_weights = tenant_weights_from(v);
+          })
       .def("validate", &SchedulerConfig::validate, "Raises ValueError naming an invalid field.")
       .def_property_readonly("max_blocks_per_request", &SchedulerConfig::max_blocks_per_request)
       .def("__repr__", [](const SchedulerConfig& c) {
