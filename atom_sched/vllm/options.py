@@ -3,7 +3,9 @@
 ``LLM(..., additional_config={...})``), checked and turned into SchedulerConfig keywords.
 
 vLLM has no field for these, and ``additional_config`` is its place for options of plugged-in
-components. vLLM's own ``--scheduling-policy`` still chooses priority scheduling.
+components. vLLM's own ``--scheduling-policy`` still chooses priority scheduling. Under
+``"scheduling": "fair"`` a request's tenant is ``SamplingParams.extra_args["tenant"]`` (the
+OpenAI server's ``vllm_xargs``): see request_tenant().
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import math
 from typing import Any
 
 KEY = "atom_sched"
-SCHEDULINGS = ("fcfs", "priority", "sjf")
+SCHEDULINGS = ("fcfs", "priority", "sjf", "fair")
+TENANT_ARG = "tenant"  # the key of SamplingParams.extra_args that names a request's tenant
 VICTIMS = ("service_order", "least_computed")
 
 
@@ -21,8 +24,9 @@ def _bad(what: str) -> ValueError:
 
 
 def policy_options(additional_config: Any, vllm_policy: str) -> dict[str, Any]:
-    """The core's scheduling, preemption_victim, sjf_aging_rate and admission_watermark_blocks
-    for vLLM's `additional_config` and scheduling policy ("fcfs" or "priority"). ValueError,
+    """The core's scheduling, preemption_victim, sjf_aging_rate, admission_watermark_blocks and
+    tenant_weights for vLLM's `additional_config` and scheduling policy ("fcfs" or "priority").
+    ValueError,
     naming the key, for an unknown key or a value of the wrong kind; the core checks the ranges
     when the scheduler is built (also a ValueError)."""
     opts = additional_config.get(KEY) if isinstance(additional_config, dict) else None
@@ -30,7 +34,8 @@ def policy_options(additional_config: Any, vllm_policy: str) -> dict[str, Any]:
         return {"scheduling": vllm_policy}
     if not isinstance(opts, dict):
         raise _bad(f"must be a dict, got {type(opts).__name__}")
-    known = ("scheduling", "preemption_victim", "sjf_aging_rate", "admission_watermark_blocks")
+    known = ("scheduling", "preemption_victim", "sjf_aging_rate", "admission_watermark_blocks",
+             "tenant_weights")
     unknown = sorted(str(k) for k in opts if k not in known)
     if unknown:
         raise _bad(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
@@ -59,4 +64,18 @@ def policy_options(additional_config: Any, vllm_policy: str) -> dict[str, Any]:
         if isinstance(blocks, bool) or not isinstance(blocks, int):
             raise _bad(f"admission_watermark_blocks must be an int, got {blocks!r}")
         out["admission_watermark_blocks"] = blocks
+    if "tenant_weights" in opts:
+        weights = opts["tenant_weights"]
+        if not isinstance(weights, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                for k, v in weights.items()):
+            raise _bad(f"tenant_weights must be a dict of str to a number, got {weights!r}")
+        out["tenant_weights"] = {k: float(v) for k, v in weights.items()}
     return out
+
+
+def request_tenant(extra_args: Any) -> str | None:
+    """The tenant a vLLM request names in its SamplingParams.extra_args ("" when none), or None
+    when it names one that is not a str."""
+    tenant = extra_args.get(TENANT_ARG, "") if isinstance(extra_args, dict) else ""
+    return tenant if isinstance(tenant, str) else None

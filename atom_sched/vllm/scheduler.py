@@ -32,7 +32,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 from vllm.v1.request import Request, RequestStatus
 
 import atom_sched
-from atom_sched.vllm.options import policy_options
+from atom_sched.vllm.options import TENANT_ARG, policy_options, request_tenant
 
 # Under vLLM's logger, so that its handlers (the server's log) show these lines.
 logger = logging.getLogger("vllm.atom_sched")
@@ -251,6 +251,9 @@ class AtomScheduler(SchedulerInterface):
             problem = "structured output (guided decoding)"
         elif getattr(request, "resumable", False):
             problem = "streaming-input sessions"
+        tenant = request_tenant(sp.extra_args if sp is not None else None)
+        if problem is None and tenant is None:
+            problem = f"a tenant (SamplingParams.extra_args[{TENANT_ARG!r}]) that is not a str"
         if problem is not None:
             raise _refuse(problem, f"request {rid!r} cannot be served.")
         if request.kv_transfer_params:
@@ -266,6 +269,7 @@ class AtomScheduler(SchedulerInterface):
             priority=int(request.priority) if self.core_config.scheduling == "priority" else 0,
             cache_salt=request.cache_salt or "",
             lora_name=lora.lora_name if lora is not None else "",
+            tenant=tenant,
         )
         core_id = next(self._next_core_id)
         # vLLM's arrival times are wall-clock; the core wants a finite number that orders them.

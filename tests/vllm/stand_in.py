@@ -67,15 +67,17 @@ class StandInRunner:
 
 def make_request(rid: str, prompt: list[int] | int, max_tokens: int, *,
                  eos_token_id: int | None = None,
-                 block_hasher: Callable[[Any], list[Any]] | None = None) -> Any:
+                 block_hasher: Callable[[Any], list[Any]] | None = None,
+                 extra_args: dict[str, Any] | None = None) -> Any:
     """A vLLM ``Request`` with greedy ``SamplingParams``. ``prompt`` is the token ids, or a
     length n for the ids 1..n. With ``eos_token_id`` the request stops on it, as after vLLM's
     ``update_from_generation_config``; ``block_hasher`` is what vLLM's engine core gives each
-    request when prefix caching is on (``get_request_block_hasher``)."""
+    request when prefix caching is on (``get_request_block_hasher``); ``extra_args`` are the
+    SamplingParams' (the OpenAI server's ``vllm_xargs``)."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra_args)
     if eos_token_id is not None:
         sp.update_from_generation_config({}, eos_token_id)
     ids = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)

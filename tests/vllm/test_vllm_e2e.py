@@ -267,6 +267,9 @@ def test_atom_sched_policies_through_additional_config():
     ({"sjf_aging_rate": 0}, "fcfs", "sjf_aging_rate must be a finite number > 0"),
     ({"admission_watermark_blocks": True}, "fcfs", "admission_watermark_blocks must be an int"),
     ({"admission_watermark_blocks": 63}, "fcfs", "admission_watermark_blocks must be in"),
+    ({"scheduling": "fair"}, "priority", "only with it"),
+    ({"tenant_weights": {"a": "heavy"}}, "fcfs", "tenant_weights must be a dict of str"),
+    ({"tenant_weights": {"a": 0}}, "fcfs", "the weight of tenant 'a' must be a finite number"),
 ])
 def test_bad_atom_sched_policies_are_refused_at_construction(opts, policy, words):
     from atom_sched.vllm import AtomScheduler
@@ -379,3 +382,39 @@ def test_sjf_serves_the_shorter_request_first_against_a_stand_in_runner(scheduli
             break
         out = s.schedule()
     assert finished == ["short", "long"]
+
+
+@pytest.mark.parametrize("scheduling", ["fcfs", "fair"])
+def test_fair_share_admits_a_light_tenant_beside_a_flood_against_a_stand_in_runner(scheduling):
+    """Tenant a sends four 14-token prompts before tenant b's one (extra_args["tenant"], the
+    OpenAI server's vllm_xargs); a 64-token step admits all five, b's in second place under
+    fair share and last (a chunk) under FCFS."""
+    from atom_sched.vllm import AtomScheduler
+
+    cfg, kv = _config(additional_config={"atom_sched": {"scheduling": scheduling,
+                                                        "tenant_weights": {"a": 1, "b": 2}}})
+    s = AtomScheduler(cfg, kv, None, block_size=16)
+    assert s.core_config.tenant_weights == {"a": 1.0, "b": 2.0}
+    for i in range(4):
+        s.add_request(make_request(f"a{i}", 14, 4, extra_args={"tenant": "a"}))
+    s.add_request(make_request("b0", 14, 4, extra_args={"tenant": "b"}))
+    out = s.schedule()
+    order = [r.req_id for r in out.scheduled_new_reqs]
+    assert order.index("b0") == (1 if scheduling == "fair" else 4), order
+    runner = StandInRunner(16)
+    for _ in range(60):
+        s.update_from_output(out, runner.step(out))
+        if not s.has_requests():
+            break
+        out = s.schedule()
+    assert not s.has_requests() and s.core_stats()["num_finished"] == 5
+
+
+def test_a_tenant_that_is_not_a_str_is_refused():
+    from atom_sched.vllm import AtomScheduler, UnsupportedFeature
+
+    cfg, kv = _config(additional_config={"atom_sched": {"scheduling": "fair"}})
+    s = AtomScheduler(cfg, kv, None, block_size=16)
+    with pytest.raises(UnsupportedFeature, match="tenant"):
+        s.add_request(make_request("x", 14, 4, extra_args={"tenant": 7}))
+    assert not s.has_requests() and "x" not in s.requests
