@@ -1,10 +1,10 @@
 #include "atom_sched/scheduler.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
-#include <array>
 #include <limits>
 #include <string>
 

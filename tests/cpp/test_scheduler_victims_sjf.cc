@@ -69,6 +69,21 @@ TEST(PolicyTest, VictimChoiceIsLowerPriorityThenFewerComputedTokens) {
   EXPECT_TRUE(prio.before(req(1, 4), req(1, 8))) << "then the fewer computed";
   const VictimChoice sjf{kLeastComputed, SchedulingPolicy::kSjf};
   EXPECT_TRUE(sjf.before(req(0, 4), req(0, 8)));
+  // Fair share: the tenant with the larger counter first; equal counters, then the rule.
+  const double counters[] = {10.0, 5.0, 5.0};
+  auto of = [&](int32_t tenant, int32_t computed) {
+    Request r = req(0, computed);
+    r.tenant = tenant;
+    return r;
+  };
+  const VictimChoice fair{kLeastComputed, SchedulingPolicy::kFairShare, counters};
+  EXPECT_FALSE(fair.takes_tail());
+  EXPECT_FALSE((VictimChoice{kServiceOrder, SchedulingPolicy::kFairShare}.takes_tail()));
+  EXPECT_TRUE(fair.before(of(0, 800), of(1, 4))) << "the larger share first";
+  EXPECT_FALSE(fair.before(of(1, 4), of(0, 800)));
+  EXPECT_TRUE(fair.before(of(1, 4), of(2, 8))) << "equal counters: the fewer computed";
+  const VictimChoice fair_last{kServiceOrder, SchedulingPolicy::kFairShare, counters};
+  EXPECT_FALSE(fair_last.before(of(1, 4), of(2, 8))) << "equal counters: the one served last";
 }
 
 TEST(PolicyTest, SjfOrderIsKeyThenAddOrder) {

@@ -24,9 +24,9 @@ enum class BatchPolicy : uint8_t {
 /// Which waiting request is admitted first and which running request is preempted first
 /// (policy.h's ServiceOrder states the rule).
 enum class SchedulingPolicy : uint8_t {
-  kFcfs,      // ATOM's: arrival order; the victim is the request admitted last
-  kPriority,  // vLLM's: (priority, arrival_time) ascending; the victim is the lowest priority
-  kSjf,       // shortest job first with aging: by arrival_time + job tokens / sjf_aging_rate
+  kFcfs,       // ATOM's: arrival order; the victim is the request admitted last
+  kPriority,   // vLLM's: (priority, arrival_time) ascending; the victim is the lowest priority
+  kSjf,        // shortest job first with aging: by arrival_time + job tokens / sjf_aging_rate
   kFairShare,  // weighted fair share of tokens between tenants (tenant_shares.h); FCFS within
 };
 

@@ -61,7 +61,8 @@ struct VictimChoice {
   /// KV its readmission computes again). The caller walks the candidates from the one served
   /// last and takes a strictly better one, so ties go to the one served last.
   [[nodiscard]] bool before(const Request& a, const Request& b) const noexcept {
-    if (policy == SchedulingPolicy::kFairShare && a.tenant != b.tenant)
+    if (policy == SchedulingPolicy::kFairShare &&
+        tenant_counters[a.tenant] != tenant_counters[b.tenant])
       return tenant_counters[a.tenant] > tenant_counters[b.tenant];
     if (policy == SchedulingPolicy::kPriority && a.priority != b.priority)
       return a.priority > b.priority;
