@@ -74,8 +74,19 @@ def policy_options(additional_config: Any, vllm_policy: str) -> dict[str, Any]:
     return out
 
 
+MAX_TENANT_BYTES = 256  # the core's bound on SamplingParams.tenant
+
+
 def request_tenant(extra_args: Any) -> str | None:
     """The tenant a vLLM request names in its SamplingParams.extra_args ("" when none), or None
-    when it names one that is not a str."""
+    when what it names is not a str of at most MAX_TENANT_BYTES bytes of UTF-8. The value comes
+    from the client (the server's vllm_xargs), so it is checked here: the core would raise on it
+    inside vLLM's engine loop."""
     tenant = extra_args.get(TENANT_ARG, "") if isinstance(extra_args, dict) else ""
-    return tenant if isinstance(tenant, str) else None
+    if not isinstance(tenant, str):
+        return None
+    try:
+        size = len(tenant.encode("utf-8"))
+    except UnicodeEncodeError:
+        return None
+    return tenant if size <= MAX_TENANT_BYTES else None

@@ -252,8 +252,12 @@ class AtomScheduler(SchedulerInterface):
         elif getattr(request, "resumable", False):
             problem = "streaming-input sessions"
         tenant = request_tenant(sp.extra_args if sp is not None else None)
-        if problem is None and tenant is None:
-            problem = f"a tenant (SamplingParams.extra_args[{TENANT_ARG!r}]) that is not a str"
+        if tenant is None:
+            # A client's value: raising here would stop vLLM's engine loop for every client, so
+            # the request counts against the default tenant "" instead.
+            logger.warning("request %s: extra_args[%r] is not a str of at most 256 bytes; "
+                           "counted against the default tenant", rid, TENANT_ARG)
+            tenant = ""
         if problem is not None:
             raise _refuse(problem, f"request {rid!r} cannot be served.")
         if request.kv_transfer_params:

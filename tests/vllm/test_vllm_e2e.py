@@ -410,11 +410,22 @@ def test_fair_share_admits_a_light_tenant_beside_a_flood_against_a_stand_in_runn
     assert not s.has_requests() and s.core_stats()["num_finished"] == 5
 
 
-def test_a_tenant_that_is_not_a_str_is_refused():
-    from atom_sched.vllm import AtomScheduler, UnsupportedFeature
+@pytest.mark.parametrize("bad", [7, ["a"], "x" * 257, "\ud800"])
+def test_a_bad_tenant_counts_against_the_default_tenant(bad):
+    """The tenant is a client's value (vllm_xargs): one that is not a str of at most 256 bytes
+    of UTF-8 must not raise inside vLLM's engine loop; the request runs as tenant ""."""
+    from atom_sched.vllm import AtomScheduler
 
     cfg, kv = _config(additional_config={"atom_sched": {"scheduling": "fair"}})
     s = AtomScheduler(cfg, kv, None, block_size=16)
-    with pytest.raises(UnsupportedFeature, match="tenant"):
-        s.add_request(make_request("x", 14, 4, extra_args={"tenant": 7}))
-    assert not s.has_requests() and "x" not in s.requests
+    s.add_request(make_request("x", 14, 4, extra_args={"tenant": bad}))
+    s.add_request(make_request("y", 14, 4, extra_args={"tenant": ""}))
+    runner = StandInRunner(16)
+    out = s.schedule()
+    assert {r.req_id for r in out.scheduled_new_reqs} == {"x", "y"}
+    for _ in range(20):
+        s.update_from_output(out, runner.step(out))
+        if not s.has_requests():
+            break
+        out = s.schedule()
+    assert not s.has_requests() and s.core_stats()["num_finished"] == 2
