@@ -622,6 +622,15 @@ void bind_scheduler(py::module_& m) {
           "request_id"_a,
           "Preempt a running request now (recompute): KV freed, tokens kept, back to the head "
           "of waiting. KeyError if not live, ValueError if not running.")
+      .def(
+          "set_drafts",
+          [](SchedulerHandle& h, int64_t id, py::handle drafts) {
+            Int32Input d(drafts, "draft_token_ids", 1);
+            with_core(h, [&](Scheduler& c) { c.set_drafts(id, d.span()); });
+          },
+          "request_id"_a, "draft_token_ids"_a,
+          "Give a decoding request (nothing in flight) the drafts proposed after its last "
+          "update; its next row verifies them. KeyError if not live, ValueError otherwise.")
       .def("schedule", &schedule, "allow_prefill"_a = true, "now"_a = py::none())
       .def("update", &update, "batch"_a, "sampled_token_ids"_a, "num_accepted"_a = py::none(),
            "draft_token_ids"_a = py::none(), "logprobs"_a = py::none())

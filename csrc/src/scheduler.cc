@@ -427,6 +427,31 @@ void Scheduler::preempt_request(int64_t id) {
   squeeze_running();
 }
 
+void Scheduler::set_drafts(int64_t id, std::span<const int32_t> drafts) {
+  const int32_t slot = slot_of(id);
+  if (slot < 0) throw UnknownRequest("unknown request id " + id_str(id));
+  const std::string call = "set_drafts(" + id_str(id) + "): ";
+  if (k_ == 0)
+    throw InvalidArgument(call + "speculative decoding is off (num_speculative_tokens = 0)");
+  const auto n = static_cast<int64_t>(drafts.size());
+  if (n > k_)
+    throw InvalidArgument(call + std::to_string(n) + " drafts, more than num_speculative_tokens"
+                          " (" + std::to_string(k_) + ")");
+  for (int64_t j = 0; j < n; ++j)
+    if (drafts[j] < 0)
+      throw InvalidArgument(call + "draft " + std::to_string(j) + " is negative (" +
+                            std::to_string(drafts[j]) + ")");
+  Request& r = requests_[slot];
+  // Decoding with nothing in flight: its next row starts at its last token, which it inputs,
+  // and nothing scheduled yet has read its drafts.
+  if (r.status != RequestStatus::kRunning || r.num_inflight > 0 || r.num_unstreamed > 0 ||
+      r.num_computed_tokens != r.num_tokens() - 1)
+    throw InvalidArgument(call + "the request is not decoding with nothing in flight (waiting, "
+                          "mid-prompt, or a row of it not yet updated)");
+  for (int32_t j = 0; j < k_; ++j) r.drafts[j] = j < n ? drafts[j] : -1;
+  r.num_drafts = static_cast<int32_t>(n);
+}
+
 void Scheduler::track_partial(int32_t slot) {
   // In running order: FCFS appends (admissions join the back of running), priority sorts.
   const ServiceOrder order{config_.scheduling};

@@ -107,6 +107,68 @@ TEST(SchedulerTest, SpeculativeDecodingK2) {
   EXPECT_DOUBLE_EQ(st.acceptance_rate(), 5.0 / 8.0);
 }
 
+// Drafts proposed after the update (vLLM's n-gram proposer runs after it), bs 4, K 2:
+//   prefill A [10,11,12] -> 100, no drafts          next row: 1 token
+//   set_drafts(A, {30})   -> row [100 30] at pos 3,4 (KV for 2 positions only)
+//   outputs [30 50] a=2   -> A [.. 100 30 50], S 5; set_drafts(A, {32, 33}) -> row [50 32 33]
+// Each refusal leaves the kept drafts as they were.
+TEST(SchedulerTest, DraftsSetAfterTheUpdateAreVerifiedByTheNextRow) {
+  H h(SpecCfg(16));
+  h.add(1, {10, 11, 12});
+  auto s1 = h.sched();
+  ASSERT_TRUE(s1);
+  h.upd(*s1, {100, -1, -1}, {}, {-1, -1});
+  auto one = h.sched();  // no drafts: one token, then the same step again with a draft
+  ASSERT_TRUE(one);
+  EXPECT_EQ(one->nsched, V{1});
+  h.upd(*one, {101, -1, -1}, {1}, {-1, -1});
+  EXPECT_EQ(h.s.request(1).num_computed_tokens, 4);
+
+  h.s.set_drafts(1, V{30});
+  h.Inv("set_drafts");
+  EXPECT_EQ(h.s.request(1).drafts, (V{30, -1}));
+  EXPECT_EQ(h.s.request(1).num_drafts, 1);
+  auto s2 = h.sched();
+  ASSERT_TRUE(s2);
+  EXPECT_EQ(s2->nsched, V{2});
+  EXPECT_EQ(s2->tokens, (V{101, 30}));
+  EXPECT_EQ(s2->positions, (V64{4, 5}));
+  EXPECT_EQ(s2->drafts, (V{30, -1}));
+  EXPECT_THROW(h.s.set_drafts(1, V{7}), InvalidArgument) << "its row is in flight";
+  EXPECT_EQ(h.s.request(1).drafts, (V{30, -1}));
+  auto o2 = h.upd(*s2, {30, 50, -1}, {2}, {-1, -1});
+  EXPECT_EQ(o2.tokens(1), (V{30, 50}));
+  EXPECT_EQ(h.s.request(1).num_computed_tokens, 6);
+
+  h.s.set_drafts(1, V{32, 33});
+  auto s3 = h.sched();
+  ASSERT_TRUE(s3);
+  EXPECT_EQ(s3->tokens, (V{50, 32, 33}));
+  EXPECT_EQ(s3->drafts, (V{32, 33}));
+  auto o3 = h.upd(*s3, {32, 60, -1}, {2}, {-1, -1});
+  EXPECT_EQ(o3.tokens(1), (V{32, 60}));
+  EXPECT_EQ(h.s.request(1).num_computed_tokens, 8) << "rolled back by the rejected draft";
+  EXPECT_EQ(h.s.stats().num_accepted_draft_tokens, 2);
+
+  // Refusals, the kept drafts unchanged.
+  h.s.set_drafts(1, V{40});
+  EXPECT_THROW(h.s.set_drafts(1, V{1, 2, 3}), InvalidArgument) << "more than K";
+  EXPECT_THROW(h.s.set_drafts(1, V{5, -1}), InvalidArgument) << "a negative draft";
+  EXPECT_THROW(h.s.set_drafts(9, V{5}), UnknownRequest);
+  EXPECT_EQ(h.s.request(1).drafts, (V{40, -1}));
+  h.add(2, Seq(20, 9));  // waiting
+  EXPECT_THROW(h.s.set_drafts(2, V{5}), InvalidArgument) << "waiting";
+  h.s.set_drafts(1, V{});  // none: the next row verifies nothing
+  EXPECT_EQ(h.s.request(1).num_drafts, 0);
+
+  H plain(Cfg(16));
+  plain.add(1, {10, 11, 12});
+  auto p1 = plain.sched();
+  ASSERT_TRUE(p1);
+  plain.upd(*p1, {100});
+  EXPECT_THROW(plain.s.set_drafts(1, V{5}), InvalidArgument) << "K = 0";
+}
+
 // K 2, EOS 2, stop token 99. After the prefill (one token each), one decode row each:
 //   A accepts [7 2 9]   -> [7 2] "eos": tokens after the stop are dropped
 //   B accepts [99 2 5]  -> [99] "stop_99": the earliest stop wins (fix 8.12)

@@ -126,6 +126,15 @@ class Scheduler {
   /// themselves (ATOM's `Scheduler.preempt(seq)`).
   void preempt_request(int64_t id);
 
+  /// Gives a running request the drafts a drafter proposed after the update that returned its
+  /// last token, replacing those that update kept (vLLM's n-gram proposer runs after that
+  /// update, not with it): its next decode row verifies them, and reserves KV for them only.
+  /// At most K drafts, each >= 0 (fewer than K: the rest are not proposed). UnknownRequest if
+  /// `id` is not live; InvalidArgument if K = 0, more than K drafts, a negative draft, or the
+  /// request is not decoding with nothing in flight (waiting, mid-prompt, or a row of it not
+  /// yet updated: that row's tokens are already fixed). Nothing changes on an error.
+  void set_drafts(int64_t id, std::span<const int32_t> drafts);
+
   /// Chooses the next batch. Returns nullptr (and changes nothing but the delay clock) when there
   /// is nothing to run. `allow_prefill = false` is a data-parallel veto: only decode rows run.
   /// InvalidArgument if kMaxOutstandingBatches batches are already outstanding. The batch stays
