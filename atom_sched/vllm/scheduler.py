@@ -28,8 +28,9 @@ from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import FullAttentionSpec
-from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+from vllm.v1.metrics.stats import PrefixCacheStats, RequestSpecDecodeMetrics, SchedulerStats
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 import atom_sched
 from atom_sched.vllm.options import TENANT_ARG, policy_options, request_tenant
@@ -51,6 +52,12 @@ def _refuse(feature: str, hint: str) -> UnsupportedFeature:
         f"atom_sched.vllm.AtomScheduler does not support {feature} yet; {hint}"
     )
 
+
+# Speculative methods whose drafts come from the request's own tokens, proposed by the model
+# runner after sampling: they need no KV past the verified tokens (vLLM's lookahead slots) and no
+# draft model. The core verifies at most this many drafts a row.
+_DRAFT_METHODS = ("ngram",)
+_MAX_DRAFTS = 8
 
 # The core's finish reasons (docs/api.md "Outputs and stop conditions") as vLLM statuses.
 _LENGTH_REASONS = {"max_tokens", "max_model_len", "kv_capacity"}
@@ -77,6 +84,8 @@ class _InFlight:
     batch: Any
     row_req_ids: list[str]
     rejected: list[str] = field(default_factory=list)
+    # Each decode row's drafts as scheduled (vLLM's scheduled_spec_decode_tokens).
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 class AtomScheduler(SchedulerInterface):
@@ -124,6 +133,12 @@ class AtomScheduler(SchedulerInterface):
         chunked = bool(sc.enable_chunked_prefill)
         threshold = int(sc.long_prefill_token_threshold or 0) if chunked else 0
         policies = policy_options(getattr(vllm_config, "additional_config", None), str(sc.policy))
+        # Speculative decoding (n-gram): K drafts a decode row at most, proposed by the runner
+        # after each step's sampling and handed over through update_draft_token_ids().
+        self.num_spec_tokens = int(getattr(vllm_config, "num_speculative_tokens", 0) or 0)
+        # Per-request acceptance metrics in the response (vLLM's observability option).
+        obs = getattr(vllm_config, "observability_config", None)
+        self.spec_decode_metrics_level = getattr(obs, "per_request_spec_decode_metrics", "none")
         self.core_config = atom_sched.SchedulerConfig(
             num_blocks=num_blocks,
             block_size=block_size,
@@ -132,7 +147,7 @@ class AtomScheduler(SchedulerInterface):
             max_model_len=self.max_model_len,
             enable_prefix_caching=bool(self.cache_config.enable_prefix_caching),
             enable_chunked_prefill=chunked,
-            num_speculative_tokens=0,
+            num_speculative_tokens=self.num_spec_tokens,
             # Stops are per request (SamplingParams.stop_token_ids, EOS included): vLLM's EOS
             # comes with each request and may differ between them.
             eos_token_id=-1,
@@ -145,9 +160,9 @@ class AtomScheduler(SchedulerInterface):
         logger.info(
             "atom_sched scheduler: %d KV blocks of %d tokens, max_num_seqs=%d, %d tokens a step, "
             "prefix caching %s, chunked prefill %s, %s scheduling, %s victims, admission "
-            "watermark %d blocks", num_blocks, block_size, sc.max_num_seqs, budget,
-            "on" if c.enable_prefix_caching else "off", "on" if chunked else "off",
-            c.scheduling, c.preemption_victim, c.admission_watermark_blocks)
+            "watermark %d blocks, %d speculative tokens", num_blocks, block_size, sc.max_num_seqs,
+            budget, "on" if c.enable_prefix_caching else "off", "on" if chunked else "off",
+            c.scheduling, c.preemption_victim, c.admission_watermark_blocks, self.num_spec_tokens)
         # DP prefill balancing (schedule(throttle_prefills=True)): whether the last step that
         # admitted prefills left requests waiting, as vLLM's scheduler keeps it.
         self.prefill_capacity_bound = False
@@ -172,6 +187,7 @@ class AtomScheduler(SchedulerInterface):
         self._num_preemptions_seen = 0
         self._prefix_stats = PrefixCacheStats()
         self._prefix_reset = False
+        self._spec_stats: SpecDecodingStats | None = None
 
     # ---- construction checks ----------------------------------------------------------------
 
@@ -200,9 +216,23 @@ class AtomScheduler(SchedulerInterface):
         if getattr(mc, "is_multimodal_model", False):
             raise _refuse("multimodal models (encoder inputs and the encoder cache)",
                           "it serves text-only models.")
-        if vllm_config.speculative_config is not None:
-            raise _refuse("speculative decoding (speculative_config)",
-                          "drop --speculative-config.")
+        spec = vllm_config.speculative_config
+        if spec is not None:
+            if spec.method not in _DRAFT_METHODS:
+                raise _refuse(f"the speculative method {spec.method!r}",
+                              f"use {' or '.join(map(repr, _DRAFT_METHODS))} drafts or drop "
+                              "--speculative-config.")
+            if getattr(spec, "num_speculative_tokens_per_batch_size", None):
+                raise _refuse("draft counts that vary with the batch size "
+                              "(num_speculative_tokens_per_batch_size)",
+                              "give num_speculative_tokens alone.")
+            k = int(getattr(vllm_config, "num_speculative_tokens", 0) or 0)
+            if not 1 <= k <= _MAX_DRAFTS:
+                raise _refuse(f"{k} speculative tokens a step",
+                              f"use num_speculative_tokens 1..{_MAX_DRAFTS}.")
+            if int(getattr(vllm_config, "num_lookahead_tokens", 0) or 0):
+                raise _refuse("KV lookahead slots for a drafter (num_lookahead_tokens)",
+                              "use n-gram drafts.")
         if vllm_config.kv_transfer_config is not None:
             raise _refuse("KV connectors (kv_transfer_config)", "drop --kv-transfer-config.")
         if getattr(vllm_config, "ec_transfer_config", None) is not None:
@@ -286,6 +316,8 @@ class AtomScheduler(SchedulerInterface):
         # is never built; KV connectors are refused), so the output tokens are not hashed for
         # it: block_hashes keeps the prompt's blocks only.
         request._block_hasher = None
+        if self.num_spec_tokens and self.spec_decode_metrics_level != "none":
+            request.spec_decode_metrics = RequestSpecDecodeMetrics.new(self.num_spec_tokens)
         self.requests[rid] = request
         tracked = _Tracked(request, rid, core_id, eos)
         self._tracked[rid] = tracked
@@ -355,6 +387,7 @@ class AtomScheduler(SchedulerInterface):
         all_token_ids: dict[str, list[int]] = {}
         num_scheduled: dict[str, int] = {}
         row_req_ids: list[str] = []
+        drafts: dict[str, list[int]] = {}
         if batch is not None:
             # The batch's columns as Python lists at once (a numpy scalar per element costs
             # more than the whole row's bookkeeping). The blocks each row gets this step are the
@@ -429,6 +462,8 @@ class AtomScheduler(SchedulerInterface):
                     request.num_computed_tokens = end
                     # A row that ends short of the request's known tokens samples nothing.
                     request.is_prefill_chunk = end < request.num_tokens
+            if self.num_spec_tokens:
+                drafts = self._scheduled_drafts(batch, row_req_ids, n_sched)
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -443,16 +478,30 @@ class AtomScheduler(SchedulerInterface):
             ),
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            scheduled_spec_decode_tokens={},
+            scheduled_spec_decode_tokens=drafts,
             scheduled_encoder_inputs={},
             finished_req_ids=self.finished_req_ids,
             free_encoder_mm_hashes=[],
             preempted_req_ids=self._preempted_since_schedule,
+            # How many drafts the runner's drafter proposes after this step.
+            num_spec_tokens_to_schedule=self.num_spec_tokens,
         )
         self.finished_req_ids = set()
         self._preempted_since_schedule = set()
-        self._in_flight.append(_InFlight(batch, row_req_ids, rejected))
+        self._in_flight.append(_InFlight(batch, row_req_ids, rejected, drafts))
         return out
+
+    @staticmethod
+    def _scheduled_drafts(batch: Any, row_req_ids: list[str], n_sched: list[int]
+                          ) -> dict[str, list[int]]:
+        """The drafts each decode row verifies: its first ``num_scheduled_tokens - 1`` (fewer
+        than proposed only near the position limit), as vLLM's scheduled_spec_decode_tokens."""
+        rows = np.flatnonzero((batch.num_scheduled_tokens > 1)
+                              & (batch.row_is_prefill == 0)).tolist()
+        if not rows:
+            return {}
+        table = batch.spec_draft_tokens[rows].tolist()
+        return {row_req_ids[r]: d[:n_sched[r] - 1] for r, d in zip(rows, table, strict=True)}
 
     def _take_rejected(self) -> list[str]:
         """Requests the core refused (a prompt it can never hold): FINISHED_IGNORED, as vLLM."""
@@ -517,30 +566,80 @@ class AtomScheduler(SchedulerInterface):
             eco.scheduler_stats = stats
         return result
 
+    def _runner_tokens(self, step: _InFlight, mro: Any) -> list[list[int] | None]:
+        """Each row's tokens from the runner, None where it sampled none; raises for a row that
+        should have sampled (the runner and the core disagree: never guessed)."""
+        sampled_lists = mro.sampled_token_ids
+        if sampled_lists:
+            index = mro.req_id_to_index
+            per_row = [sampled_lists[i] if i is not None else None
+                       for i in map(index.get, step.row_req_ids)]
+        else:
+            per_row = [None] * len(step.row_req_ids)
+        if None in per_row or [] in per_row:
+            emits = step.batch.emits_token
+            for row, toks in enumerate(per_row):
+                rid = step.row_req_ids[row]
+                if not toks and emits[row] and rid in self._tracked:
+                    raise RuntimeError(
+                        f"the model runner sampled no token for request {rid!r}, whose row "
+                        "completes its prompt or decodes")
+        return per_row
+
+    def _sampled_tokens(self, step: _InFlight, mro: Any) -> np.ndarray:
+        """Without drafts: each row's sampled token (0 for a row that samples nothing)."""
+        return np.array([toks[0] if toks else 0 for toks in self._runner_tokens(step, mro)],
+                        dtype=np.int32)
+
+    def _verified_tokens(self, step: _InFlight, mro: Any
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """With drafts: the core's (sampled [rows, K+1], accepted [rows], drafts [rows, K]).
+
+        A decode row's tokens are its accepted drafts and the runner's bonus token; the rest of
+        its drafts were rejected, so the vLLM ``Request`` rolls its computed count back by them
+        (vLLM's rule), and the step's spec-decoding stats count them. Next step's drafts come
+        later, through update_draft_token_ids(): none are handed over here."""
+        per_row = self._runner_tokens(step, mro)
+        k = self.num_spec_tokens
+        sampled = np.zeros((len(per_row), k + 1), dtype=np.int32)
+        accepted = np.ones(len(per_row), dtype=np.int32)
+        for row, toks in enumerate(per_row):
+            if toks:
+                if len(toks) > k + 1:
+                    raise RuntimeError(
+                        f"the model runner returned {len(toks)} tokens for request "
+                        f"{step.row_req_ids[row]!r}, more than 1 + {k} drafts")
+                sampled[row, :len(toks)] = toks
+                accepted[row] = len(toks)
+        if step.drafts:
+            row_of = {rid: row for row, rid in enumerate(step.row_req_ids)}
+            for rid, drafts in step.drafts.items():
+                row = row_of[rid]
+                if not per_row[row]:
+                    continue  # finished by vLLM while in flight: the runner dropped it
+                num_accepted = int(accepted[row]) - 1
+                tracked = self._tracked.get(rid)
+                if tracked is not None:
+                    request = tracked.request
+                    request.num_computed_tokens -= len(drafts) - num_accepted
+                    if request.spec_decode_metrics is not None:
+                        request.spec_decode_metrics.observe(
+                            num_draft_tokens=len(drafts), num_accepted=num_accepted,
+                            detailed=self.spec_decode_metrics_level == "detailed")
+                if self.log_stats:
+                    if self._spec_stats is None:
+                        self._spec_stats = SpecDecodingStats.new(k)
+                    self._spec_stats.observe_draft(num_draft_tokens=len(drafts),
+                                                   num_accepted_tokens=num_accepted)
+        return sampled, accepted, np.full((len(per_row), k), -1, dtype=np.int32)
+
     def _apply(self, step: _InFlight, mro: Any, outputs: dict[int, list[EngineCoreOutput]]
                ) -> None:
-        batch = step.batch
-        row_req_ids = step.row_req_ids
-        sampled_lists = mro.sampled_token_ids
-        index = mro.req_id_to_index
-        # Each row's first sampled token, None where the runner sampled none for it.
-        if sampled_lists:
-            per_row = [sampled_lists[i] if i is not None else None
-                       for i in map(index.get, row_req_ids)]
-            firsts = [toks[0] if toks else None for toks in per_row]
+        if self.num_spec_tokens:
+            step_out = self.core.update(step.batch, *self._verified_tokens(step, mro))
         else:
-            firsts = [None] * len(row_req_ids)
-        if None in firsts:
-            emits = batch.emits_token
-            for row, tok in enumerate(firsts):
-                if tok is None:
-                    rid = row_req_ids[row]
-                    if emits[row] and rid in self._tracked:
-                        raise RuntimeError(
-                            f"the model runner sampled no token for request {rid!r}, whose row "
-                            "completes its prompt or decodes")
-                    firsts[row] = 0
-        step_out = self.core.update(batch, np.array(firsts, dtype=np.int32))
+            step_out = self.core.update(step.batch, self._sampled_tokens(step, mro))
+        index = mro.req_id_to_index
         logprobs = mro.logprobs
         masks = getattr(mro, "sampling_masks", None) if self.return_sampling_mask else None
         prompt_logprobs = mro.prompt_logprobs_dict or {}
@@ -600,6 +699,7 @@ class AtomScheduler(SchedulerInterface):
                 stop_reason=request.stop_reason,
                 events=request.take_events() if request.events else None,
                 prefill_stats=prefill_stats,
+                spec_decode_metrics=request.spec_decode_metrics if finish_reason else None,
                 trace_headers=request.trace_headers,
             ))
             if finish_reason is not None:
@@ -630,7 +730,23 @@ class AtomScheduler(SchedulerInterface):
         return None  # structured output is refused at add_request
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
-        raise _refuse("speculative decoding", "no draft tokens are expected.")
+        """The drafts the runner proposed after the last step (n-gram): each decoding request's
+        next row verifies them (the core's set_drafts). As vLLM's scheduler, drafts of finished
+        requests and of prompt chunks are dropped."""
+        if not self.num_spec_tokens:
+            raise _refuse("draft tokens without speculative decoding",
+                          "no draft tokens are expected.")
+        for rid, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids,
+                               strict=True):
+            tracked = self._tracked.get(rid)
+            if tracked is None or not tracked.on_runner or tracked.request.is_prefill_chunk:
+                continue
+            try:
+                self.core.set_drafts(tracked.core_id, drafts)
+            except ValueError as e:
+                # A draft the core cannot verify (more than K, a negative id) is the drafter's
+                # bug, not the request's: the row verifies none and decodes one token.
+                logger.warning("request %s: drafts dropped: %s", rid, e)
 
     def update_draft_token_ids_in_output(self, draft_token_ids: Any,
                                          scheduler_output: SchedulerOutput) -> None:
@@ -680,11 +796,13 @@ class AtomScheduler(SchedulerInterface):
         prefix_stats, self._prefix_stats = self._prefix_stats, PrefixCacheStats()
         prefix_stats.reset, self._prefix_reset = self._prefix_reset, False
         running, waiting = self.get_request_counts()
+        spec_stats, self._spec_stats = self._spec_stats, None
         return SchedulerStats(
             num_running_reqs=running,
             num_waiting_reqs=waiting,
             kv_cache_usage=self.get_kv_cache_usage(),
             prefix_cache_stats=prefix_stats,
+            spec_decoding_stats=spec_stats,
         )
 
     def core_stats(self) -> dict[str, Any]:

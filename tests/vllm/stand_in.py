@@ -21,11 +21,17 @@ class StandInRunner:
     """Keeps per request what vLLM's V1 model runner keeps: block ids appended, or replaced on a
     resume; dropped when finished. ``step(scheduler_output)`` returns the ``ModelRunnerOutput``."""
 
-    def __init__(self, block_size: int, token: int = 7) -> None:
+    def __init__(self, block_size: int, token: int = 7,
+                 drafter: Callable[[str], list[int]] | None = None) -> None:
         self.block_size = block_size
         self.token = token
         self.blocks: dict[str, list[int]] = {}
         self.tokens: dict[str, int] = {}  # tokens the runner knows (prompt and outputs)
+        # Speculative decoding: the "model" always samples `token`, so a row accepts its
+        # leading drafts equal to it, then samples one more. After each step, `drafter(rid)`
+        # proposes the next drafts of every request that sampled (take_draft_token_ids()).
+        self.drafter = drafter
+        self.sampled_ids: list[str] = []
 
     def step(self, out: Any, token: int | None = None) -> Any:
         from vllm.v1.outputs import ModelRunnerOutput
@@ -55,14 +61,26 @@ class StandInRunner:
             assert 0 not in blocks, "the null block was handed out"
             assert len(blocks) * self.block_size >= end, "positions without a block"
             req_ids.append(rid)
-            if end >= self.tokens[rid]:
-                sampled.append([token])
-                self.tokens[rid] += 1
+            drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+            if end - len(drafts) >= self.tokens[rid]:
+                accepted = next((i for i, d in enumerate(drafts) if d != token), len(drafts))
+                sampled.append([token] * (accepted + 1))
+                self.tokens[rid] += accepted + 1
             else:
                 sampled.append([])
+        self.sampled_ids = [rid for rid, toks in zip(req_ids, sampled, strict=True) if toks]
         return ModelRunnerOutput(req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled)
+
+
+    def take_draft_token_ids(self) -> Any:
+        """The drafts ``drafter`` proposes for the requests the last step sampled (vLLM's
+        ``DraftTokenIds``, which its engine hands to ``update_draft_token_ids``)."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        assert self.drafter is not None
+        return DraftTokenIds(list(self.sampled_ids), [self.drafter(r) for r in self.sampled_ids])
 
 
 def make_request(rid: str, prompt: list[int] | int, max_tokens: int, *,

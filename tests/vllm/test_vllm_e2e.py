@@ -48,6 +48,10 @@ PREFIX_CHUNKED = {"enable_prefix_caching": True, "max_num_batched_tokens": 64,
 # their own), and each needs a third block after ~22 tokens: preemptions.
 SMALL_KV = {"enable_prefix_caching": True, "max_num_batched_tokens": 64, "max_model_len": 512,
             "num_gpu_blocks_override": 6}
+# vLLM's n-gram drafts (proposed by its model runner from the request's own tokens, after each
+# step's sampling), three a step: answers that repeat the question's words accept some.
+NGRAM = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                "prompt_lookup_max": 3, "prompt_lookup_min": 2}}
 
 
 @functools.cache
@@ -134,6 +138,25 @@ def test_atom_sched_policies_keep_vllms_answers_under_preemption():
         assert res["core_stats"]["num_finished"] == len(SAMPLING)
 
 
+@pytest.mark.parametrize("base", [PREFIX_CHUNKED, SMALL_KV], ids=["prefix_chunked", "small_kv"])
+def test_ngram_speculative_decoding_gives_vllms_answers(base):
+    """Drafts from vLLM's n-gram proposer, verified by the rows the core schedules (rejected
+    ones rolled back), with prefix caching and chunked prefill, and in the six-block pool that
+    preempts: the same tokens and stops as vLLM's scheduler with the same drafter."""
+    ours = run("atom", {**base, **NGRAM})
+    theirs = run("vllm", {**base, **NGRAM})
+    stats = ours["core_stats"]
+    print(f"drafts verified {stats['num_draft_tokens']}, accepted "
+          f"{stats['num_accepted_draft_tokens']}, preemptions {ours['preemptions']}")
+    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_draft_tokens"] > 0
+    assert stats["num_accepted_draft_tokens"] < stats["num_draft_tokens"]
+    if base is SMALL_KV:
+        assert ours["preemptions"] > 0, "the scenario must preempt under atom_sched"
+    _same_answers(ours, theirs)
+    _check_stop_rules(ours["outputs"])
+    assert stats["num_finished"] == len(SAMPLING) and ours["kv_usage_end"] == 0.0
+
+
 def test_abort_through_finish_requests():
     aborted = 3
     ours = run("atom", PREFIX_CHUNKED, scenario="abort", abort_after=6,
@@ -162,7 +185,8 @@ def _config(**over):
     cfg = SimpleNamespace(
         model_config=SimpleNamespace(runner_type="generate", is_encoder_decoder=False,
                                      is_multimodal_model=False, max_model_len=256),
-        speculative_config=None, kv_transfer_config=None, ec_transfer_config=None,
+        speculative_config=None, num_speculative_tokens=0, num_lookahead_tokens=0,
+        kv_transfer_config=None, ec_transfer_config=None,
         kv_events_config=None, lora_config=None,
         parallel_config=SimpleNamespace(pipeline_parallel_size=1,
                                         decode_context_parallel_size=1,
@@ -197,7 +221,13 @@ def test_accepts_a_plain_config_and_sizes_the_core_from_it():
 
 
 @pytest.mark.parametrize("override, words", [
-    ({"speculative_config": object()}, "speculative decoding"),
+    ({"speculative_config": SimpleNamespace(method="eagle")}, "speculative method 'eagle'"),
+    ({"speculative_config": SimpleNamespace(method="draft_model")}, "method 'draft_model'"),
+    ({"speculative_config": SimpleNamespace(method="ngram"), "num_speculative_tokens": 9},
+     "9 speculative tokens"),
+    ({"speculative_config": SimpleNamespace(method="ngram",
+                                            num_speculative_tokens_per_batch_size=[(1, 8, 2)]),
+      "num_speculative_tokens": 2}, "vary with the batch size"),
     ({"kv_transfer_config": object()}, "KV connectors"),
     ({"ec_transfer_config": object()}, "encoder-cache connectors"),
     ({"kv_events_config": SimpleNamespace(enable_kv_cache_events=True)}, "KV cache events"),
@@ -429,3 +459,86 @@ def test_a_bad_tenant_counts_against_the_default_tenant(bad):
             break
         out = s.schedule()
     assert not s.has_requests() and s.core_stats()["num_finished"] == 2
+
+
+def _spec_scheduler(k: int = 2, **over):
+    from atom_sched.vllm import AtomScheduler
+
+    cfg, kv = _config(speculative_config=SimpleNamespace(method="ngram"),
+                      num_speculative_tokens=k, **over)
+    return AtomScheduler(cfg, kv, None, block_size=16, log_stats=True)
+
+
+def test_drafts_are_verified_rolled_back_and_counted_against_a_stand_in_runner():
+    """K = 2 drafts a row from update_draft_token_ids (after each step, as vLLM's engine hands
+    them over). The stand-in model samples 7: request a's drafts [7, 7] are both accepted (three
+    tokens a step), b's [7, 9] lose the second (two a step, the rejected one rolled back), c
+    gets none (one a step). Every request stops at max_tokens exactly, the last row truncated."""
+    s = _spec_scheduler()
+    plan = {"a": [7, 7], "b": [7, 9], "c": []}
+    runner = StandInRunner(16, drafter=lambda rid: plan[rid])
+    for rid in plan:
+        s.add_request(make_request(rid, 14, 8))
+    got = {rid: [] for rid in plan}
+    widths = {rid: set() for rid in plan}
+    drafted = accepted = 0
+    for _ in range(20):
+        out = s.schedule()
+        for rid, drafts in out.scheduled_spec_decode_tokens.items():
+            assert drafts == plan[rid]
+            assert out.num_scheduled_tokens[rid] == 1 + len(drafts)
+        for rid, n in out.num_scheduled_tokens.items():
+            widths[rid].add(n)
+        for eco in s.update_from_output(out, runner.step(out)).values():
+            for o in eco.outputs:
+                got[o.request_id] += o.new_token_ids
+                if o.finish_reason is not None:
+                    assert str(o.finish_reason) == "length"
+            if (st := eco.scheduler_stats.spec_decoding_stats) is not None:
+                drafted += st.num_draft_tokens
+                accepted += st.num_accepted_tokens
+        for rid in runner.sampled_ids:
+            if rid in s.requests:
+                # The runner's count of computed tokens: the rejected draft rolled back.
+                assert s.requests[rid].num_computed_tokens == runner.tokens[rid] - 1
+        s.update_draft_token_ids(runner.take_draft_token_ids())
+        if not s.has_requests():
+            break
+    assert got == {rid: [7] * 8 for rid in plan}
+    # Drafts are proposed from the prefill's token on: every decode row of a and b is 3 wide.
+    assert widths == {"a": {14, 3}, "b": {14, 3}, "c": {14, 1}}
+    core = s.core_stats()
+    assert (core["num_draft_tokens"], core["num_accepted_draft_tokens"]) == (drafted, accepted)
+    # a: 1 (prefill) + 3 + 3 + 1 (its third row's 3 truncated): drafts 2 x 3, accepted 2 x 3.
+    # b: 1 + 2 + 2 + 2 + 1 (its fourth row's 2 truncated): drafts 2 x 4, accepted 1 x 4.
+    assert (drafted, accepted) == (6 + 8, 6 + 4)
+
+
+def test_draft_handover_drops_what_cannot_be_verified():
+    """Drafts for a finished or unknown request, for a prompt still being chunked, and drafts
+    the core refuses (more than K, negative) are dropped without raising inside vLLM's loop:
+    the row verifies none. Draft tokens without speculative decoding are refused."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    from atom_sched.vllm import AtomScheduler, UnsupportedFeature
+
+    s = _spec_scheduler(scheduler_config__max_num_batched_tokens=16)
+    runner = StandInRunner(16)
+    s.add_request(make_request("a", 14, 4))
+    s.add_request(make_request("long", 40, 4))  # chunked over three steps
+    out = s.schedule()
+    s.update_from_output(out, runner.step(out))
+    assert s.requests["long"].is_prefill_chunk
+    s.update_draft_token_ids(DraftTokenIds(["a", "long", "gone"], [[5, 6, 7], [5], [5]]))
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens == {} and out.num_scheduled_tokens["a"] == 1
+    s.update_from_output(out, runner.step(out))
+    s.update_draft_token_ids(DraftTokenIds(["a"], [[-3]]))
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens == {}
+    s.update_from_output(out, runner.step(out))
+
+    cfg, kv = _config()
+    plain = AtomScheduler(cfg, kv, None, block_size=16)
+    with pytest.raises(UnsupportedFeature, match="without speculative decoding"):
+        plain.update_draft_token_ids(DraftTokenIds(["a"], [[5]]))
