@@ -281,34 +281,45 @@ class AtomScheduler(SchedulerInterface):
             problem = "structured output (guided decoding)"
         elif getattr(request, "resumable", False):
             problem = "streaming-input sessions"
-        tenant = request_tenant(sp.extra_args if sp is not None else None)
+        if problem is not None:
+            # What a request asks for comes from its client: raising here would stop vLLM's
+            # engine loop for every client, so the request alone ends, with an error.
+            self._end_unserved(request, RequestStatus.FINISHED_ERROR,
+                               f"{problem} (not supported by atom_sched's scheduler yet)")
+            return
+        tenant = request_tenant(sp.extra_args)
         if tenant is None:
-            # A client's value: raising here would stop vLLM's engine loop for every client, so
-            # the request counts against the default tenant "" instead.
+            # A client's value, likewise: the request counts against the default tenant "".
             logger.warning("request %s: extra_args[%r] is not a str of at most 256 bytes; "
                            "counted against the default tenant", rid, TENANT_ARG)
             tenant = ""
-        if problem is not None:
-            raise _refuse(problem, f"request {rid!r} cannot be served.")
         if request.kv_transfer_params:
             logger.warning("request %s: kv_transfer_params ignored (no KV connector)", rid)
         eos = sp.eos_token_id
         stops = sorted(set(sp.stop_token_ids or ()) | ({eos} if eos is not None else set()))
         lora = request.lora_request
-        params = atom_sched.SamplingParams(
-            max_tokens=max(1, int(request.max_tokens)),
-            ignore_eos=True,  # EOS is one of the request's stop ids above (none if ignore_eos)
-            stop_token_ids=stops,
-            min_tokens=min(int(sp.min_tokens or 0), max(1, int(request.max_tokens))),
-            priority=int(request.priority) if self.core_config.scheduling == "priority" else 0,
-            cache_salt=request.cache_salt or "",
-            lora_name=lora.lora_name if lora is not None else "",
-            tenant=tenant,
-        )
         core_id = next(self._next_core_id)
-        # vLLM's arrival times are wall-clock; the core wants a finite number that orders them.
-        self.core.add_request(core_id, request.prompt_token_ids, params,
-                              arrival_time=float(request.arrival_time))
+        try:
+            params = atom_sched.SamplingParams(
+                max_tokens=max(1, int(request.max_tokens)),
+                ignore_eos=True,  # EOS is one of the stop ids above (none if ignore_eos)
+                stop_token_ids=stops,
+                min_tokens=min(int(sp.min_tokens or 0), max(1, int(request.max_tokens))),
+                priority=int(request.priority) if self.core_config.scheduling == "priority"
+                else 0,
+                cache_salt=request.cache_salt or "",
+                lora_name=lora.lora_name if lora is not None else "",
+                tenant=tenant,
+            )
+            # vLLM's arrival times are wall-clock; the core wants a finite number that orders
+            # them.
+            self.core.add_request(core_id, request.prompt_token_ids, params,
+                                  arrival_time=float(request.arrival_time))
+        except (ValueError, TypeError, OverflowError) as e:
+            # A value the core refuses (a cache_salt over 256 bytes, a priority or token id out
+            # of range...) is the client's: its request ends with an error, the core unchanged.
+            self._end_unserved(request, RequestStatus.FINISHED_ERROR, str(e))
+            return
         # vLLM's engine core gives each request a block hasher for vLLM's own prefix cache: a
         # sha256 of each block the request's tokens complete, run on every appended token
         # (about a microsecond per request per step). The core hashes its blocks itself, and
@@ -510,15 +521,23 @@ class AtomScheduler(SchedulerInterface):
             rid = self._by_core_id.get(int(rej.request_id))
             if rid is None:
                 continue
-            request = self.requests[rid]
-            logger.warning("request %s not served: %s", rid, rej.reason)
-            request.status = RequestStatus.FINISHED_IGNORED
-            self._pending_outputs.append((request.client_index, EngineCoreOutput(
-                request_id=rid, new_token_ids=[], finish_reason=request.get_finished_reason(),
-                events=request.take_events(), trace_headers=request.trace_headers)))
+            self._end_unserved(self.requests[rid], RequestStatus.FINISHED_IGNORED, rej.reason)
             self._free(rid)
             done.append(rid)
         return done
+
+    def _end_unserved(self, request: Request, status: RequestStatus, why: str) -> None:
+        """Ends a request that gets no token: its final output (no tokens, the status's finish
+        reason) goes out with the next update_from_output."""
+        logger.warning("request %s not served: %s", request.request_id, why)
+        request.status = status
+        self._pending_outputs.append((request.client_index, EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[],
+            finish_reason=request.get_finished_reason(), events=request.take_events(),
+            trace_headers=request.trace_headers)))
+        if self.finished_req_ids_dict is not None and request.request_id not in self.requests:
+            # Never tracked (refused at add_request): _free() does not list it.
+            self.finished_req_ids_dict[request.client_index].add(request.request_id)
 
     def _note_preemptions(self) -> None:
         """Requests the core preempted in this schedule(): the runner drops their state."""
@@ -756,7 +775,9 @@ class AtomScheduler(SchedulerInterface):
         return len(self.requests)
 
     def has_finished_requests(self) -> bool:
-        return len(self.finished_req_ids) > 0
+        # Final outputs still to deliver count too: vLLM's engine steps (schedule, then
+        # update_from_output) only while this or unfinished requests say so.
+        return len(self.finished_req_ids) > 0 or len(self._pending_outputs) > 0
 
     @property
     def pause_state(self) -> PauseState:

@@ -86,12 +86,13 @@ class StandInRunner:
 def make_request(rid: str, prompt: list[int] | int, max_tokens: int, *,
                  eos_token_id: int | None = None,
                  block_hasher: Callable[[Any], list[Any]] | None = None,
-                 extra_args: dict[str, Any] | None = None) -> Any:
+                 extra_args: dict[str, Any] | None = None, **request_args: Any) -> Any:
     """A vLLM ``Request`` with greedy ``SamplingParams``. ``prompt`` is the token ids, or a
     length n for the ids 1..n. With ``eos_token_id`` the request stops on it, as after vLLM's
     ``update_from_generation_config``; ``block_hasher`` is what vLLM's engine core gives each
     request when prefix caching is on (``get_request_block_hasher``); ``extra_args`` are the
-    SamplingParams' (the OpenAI server's ``vllm_xargs``)."""
+    SamplingParams' (the OpenAI server's ``vllm_xargs``); ``request_args`` go to ``Request``
+    (``cache_salt``, ``priority``...)."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
@@ -100,4 +101,4 @@ def make_request(rid: str, prompt: list[int] | int, max_tokens: int, *,
         sp.update_from_generation_config({}, eos_token_id)
     ids = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
     return Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp,
-                   pooling_params=None, block_hasher=block_hasher)
+                   pooling_params=None, block_hasher=block_hasher, **request_args)

@@ -138,20 +138,21 @@ def test_atom_sched_policies_keep_vllms_answers_under_preemption():
         assert res["core_stats"]["num_finished"] == len(SAMPLING)
 
 
-@pytest.mark.parametrize("base", [PREFIX_CHUNKED, SMALL_KV], ids=["prefix_chunked", "small_kv"])
-def test_ngram_speculative_decoding_gives_vllms_answers(base):
-    """Drafts from vLLM's n-gram proposer, verified by the rows the core schedules (rejected
-    ones rolled back), with prefix caching and chunked prefill, and in the six-block pool that
-    preempts: the same tokens and stops as vLLM's scheduler with the same drafter."""
-    ours = run("atom", {**base, **NGRAM})
-    theirs = run("vllm", {**base, **NGRAM})
+def test_ngram_speculative_decoding_gives_vllms_answers():
+    """Drafts from vLLM's n-gram proposer, handed over after each step and verified by the rows
+    the core schedules (rejected ones rolled back), with prefix caching, chunked prefill and
+    every stop rule: the same tokens and stops as vLLM's scheduler with the same drafter.
+
+    One request at a time: vLLM 0.32's CPU runner corrupts the answers of a batch of several
+    requests with drafts, with its own scheduler as with this class (a token 0, then unrelated
+    text, where the answers without drafts are coherent; docs/vllm.md)."""
+    one_at_a_time = {**PREFIX_CHUNKED, **NGRAM, "max_num_seqs": 1}
+    ours = run("atom", one_at_a_time)
+    theirs = run("vllm", one_at_a_time)
     stats = ours["core_stats"]
     print(f"drafts verified {stats['num_draft_tokens']}, accepted "
-          f"{stats['num_accepted_draft_tokens']}, preemptions {ours['preemptions']}")
-    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_draft_tokens"] > 0
-    assert stats["num_accepted_draft_tokens"] < stats["num_draft_tokens"]
-    if base is SMALL_KV:
-        assert ours["preemptions"] > 0, "the scenario must preempt under atom_sched"
+          f"{stats['num_accepted_draft_tokens']}")
+    assert 0 < stats["num_accepted_draft_tokens"] < stats["num_draft_tokens"]
     _same_answers(ours, theirs)
     _check_stop_rules(ours["outputs"])
     assert stats["num_finished"] == len(SAMPLING) and ours["kv_usage_end"] == 0.0
@@ -438,6 +439,44 @@ def test_fair_share_admits_a_light_tenant_beside_a_flood_against_a_stand_in_runn
             break
         out = s.schedule()
     assert not s.has_requests() and s.core_stats()["num_finished"] == 5
+
+
+def test_requests_it_cannot_serve_end_with_an_error_while_the_rest_run():
+    """What a client sends that the class or the core cannot serve (a cache_salt over 256
+    bytes, a token id past int32, a streaming-input session) must not raise inside vLLM's
+    engine loop, which would stop it for every client: each such request ends with
+    finish_reason "error" and no tokens, delivered with the next step's outputs (and in
+    finished_requests for vLLM's multi-engine bookkeeping), while the others are served."""
+    from vllm.v1.engine import FinishReason
+
+    from atom_sched.vllm import AtomScheduler
+
+    cfg, kv = _config()
+    s = AtomScheduler(cfg, kv, None, block_size=16, include_finished_set=True)
+    bad = {"salty": make_request("salty", 14, 4, cache_salt="x" * 257),
+           "huge_id": make_request("huge_id", [1, 2**31], 4),
+           "session": make_request("session", 14, 4, resumable=True)}
+    for request in bad.values():
+        s.add_request(request)
+    s.add_request(make_request("ok", 14, 4))
+    assert s.get_num_unfinished_requests() == 1 and s.has_finished_requests()
+    assert s.get_request_counts() == (0, 1) and s.core_stats()["num_finished"] == 0
+    runner = StandInRunner(16)
+    out = s.schedule()
+    assert list(out.num_scheduled_tokens) == ["ok"]
+    eco = s.update_from_output(out, runner.step(out))[0]
+    ended = {o.request_id: o for o in eco.outputs if o.finish_reason is not None}
+    assert set(ended) == set(bad)
+    assert all(o.finish_reason == FinishReason.ERROR and o.new_token_ids == []
+               for o in ended.values())
+    assert set(bad) <= eco.finished_requests
+    assert not s.has_finished_requests()
+    tokens = [t for o in eco.outputs if o.request_id == "ok" for t in o.new_token_ids]
+    while s.has_requests():
+        out = s.schedule()
+        for e in s.update_from_output(out, runner.step(out)).values():
+            tokens += [t for o in e.outputs if o.request_id == "ok" for t in o.new_token_ids]
+    assert tokens == [7] * 4 and s.core_stats()["num_finished"] == 1
 
 
 @pytest.mark.parametrize("bad", [7, ["a"], "x" * 257, "\ud800"])
