@@ -25,12 +25,18 @@ from typing import Any
 import numpy as np
 from vllm.multimodal import MULTIMODAL_REGISTRY, MultiModalRegistry
 from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.output import (
+    CachedRequestData,
+    GrammarOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.stats import PrefixCacheStats, RequestSpecDecodeMetrics, SchedulerStats
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
+from vllm.v1.structured_output.utils import strip_speculative_padding
 
 import atom_sched
 from atom_sched.vllm.options import TENANT_ARG, policy_options, request_tenant
@@ -179,6 +185,14 @@ class AtomScheduler(SchedulerInterface):
             defaultdict(set) if include_finished_set else None
         )
         self._preempted_since_schedule: set[str] = set()
+        # Structured output: requests whose grammar vLLM is still compiling (vLLM's
+        # WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR) wait here, outside the core, in arrival order;
+        # and how many live requests use a grammar (0: the hot paths skip grammar work).
+        self._awaiting_grammar: dict[str, Request] = {}
+        self._num_structured = 0
+        # Requests whose drafts the runner handed over and no row has verified yet (their vLLM
+        # Request's spec_token_ids show them, as with vLLM's scheduler).
+        self._drafted: set[str] = set()
         self._in_flight: list[_InFlight] = []
         # Outputs of requests finished outside update_from_output (rejected by the core),
         # delivered with the next update_from_output.
@@ -233,6 +247,9 @@ class AtomScheduler(SchedulerInterface):
             if int(getattr(vllm_config, "num_lookahead_tokens", 0) or 0):
                 raise _refuse("KV lookahead slots for a drafter (num_lookahead_tokens)",
                               "use n-gram drafts.")
+            if getattr(spec, "parallel_drafting", False):
+                raise _refuse("parallel drafting (input slots budgeted for the drafter)",
+                              "drop parallel_drafting.")
         if vllm_config.kv_transfer_config is not None:
             raise _refuse("KV connectors (kv_transfer_config)", "drop --kv-transfer-config.")
         if getattr(vllm_config, "ec_transfer_config", None) is not None:
@@ -277,8 +294,6 @@ class AtomScheduler(SchedulerInterface):
             problem = "prompt embeddings"
         elif request.mm_features:
             problem = "multimodal inputs"
-        elif request.use_structured_output:
-            problem = "structured output (guided decoding)"
         elif getattr(request, "resumable", False):
             problem = "streaming-input sessions"
         if problem is not None:
@@ -287,6 +302,22 @@ class AtomScheduler(SchedulerInterface):
             self._end_unserved(request, RequestStatus.FINISHED_ERROR,
                                f"{problem} (not supported by atom_sched's scheduler yet)")
             return
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.QUEUED)
+        if request.use_structured_output:
+            self._num_structured += 1
+            if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+                # vLLM compiles its grammar meanwhile (grammar_init); schedule() admits it to
+                # the core once that is done, as vLLM's scheduler holds it back until then.
+                self.requests[rid] = request
+                self._awaiting_grammar[rid] = request
+                return
+        self._admit(request)
+
+    def _admit(self, request: Request) -> None:
+        """Hands a request to the core (its values checked there) and tracks it."""
+        rid = request.request_id
+        sp = request.sampling_params
         tenant = request_tenant(sp.extra_args)
         if tenant is None:
             # A client's value, likewise: the request counts against the default tenant "".
@@ -318,6 +349,8 @@ class AtomScheduler(SchedulerInterface):
         except (ValueError, TypeError, OverflowError) as e:
             # A value the core refuses (a cache_salt over 256 bytes, a priority or token id out
             # of range...) is the client's: its request ends with an error, the core unchanged.
+            self.requests.pop(rid, None)
+            self._num_structured -= request.use_structured_output
             self._end_unserved(request, RequestStatus.FINISHED_ERROR, str(e))
             return
         # vLLM's engine core gives each request a block hasher for vLLM's own prefix cache: a
@@ -334,8 +367,23 @@ class AtomScheduler(SchedulerInterface):
         self._tracked[rid] = tracked
         self._by_core_id[core_id] = rid
         self._tracked_by_core_id[core_id] = tracked
-        if self.log_stats:
-            request.record_event(EngineCoreEventType.QUEUED)
+
+    def _admit_compiled_grammars(self) -> None:
+        """Requests whose grammar vLLM has compiled go to the core, in arrival order; one whose
+        compilation failed ends with an error (vLLM's rule)."""
+        for rid, request in list(self._awaiting_grammar.items()):
+            grammar = request.structured_output_request.grammar
+            if grammar is None:
+                continue
+            del self._awaiting_grammar[rid]
+            if isinstance(grammar, Exception):
+                self._num_structured -= 1
+                del self.requests[rid]
+                self._end_unserved(request, RequestStatus.FINISHED_ERROR,
+                                   f"its grammar did not compile: {grammar}")
+                continue
+            request.status = RequestStatus.WAITING
+            self._admit(request)
 
     def finish_requests(
         self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
@@ -352,20 +400,26 @@ class AtomScheduler(SchedulerInterface):
             request = self.requests.get(rid)
             if request is None or request.is_finished():
                 continue
-            try:
-                self.core.abort_request(self._tracked[rid].core_id)
-            except KeyError:
-                pass  # the core already ended it (rejected); vLLM's status decides
+            tracked = self._tracked.get(rid)
+            if tracked is not None:  # else its grammar is still compiling: not in the core
+                try:
+                    self.core.abort_request(tracked.core_id)
+                except KeyError:
+                    pass  # the core already ended it (rejected); vLLM's status decides
             request.status = finished_status
             self._free(rid)
             finished.append(request)
         return finished
 
     def _free(self, rid: str) -> None:
-        tracked = self._tracked.pop(rid)
-        self._by_core_id.pop(tracked.core_id, None)
-        self._tracked_by_core_id.pop(tracked.core_id, None)
+        tracked = self._tracked.pop(rid, None)
+        if tracked is not None:
+            self._by_core_id.pop(tracked.core_id, None)
+            self._tracked_by_core_id.pop(tracked.core_id, None)
+        self._awaiting_grammar.pop(rid, None)
+        self._drafted.discard(rid)
         request = self.requests.pop(rid)
+        self._num_structured -= request.use_structured_output
         self._preempted_since_schedule.discard(rid)
         self.finished_req_ids.add(rid)
         if self.finished_req_ids_dict is not None:
@@ -374,6 +428,8 @@ class AtomScheduler(SchedulerInterface):
     # ---- schedule ---------------------------------------------------------------------------
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        if self._awaiting_grammar:
+            self._admit_compiled_grammars()
         batch = None
         if self._pause_state != PauseState.PAUSED_ALL:
             # PAUSED_NEW: no prefill at all (the core has no "running prefills only" switch).
@@ -475,6 +531,11 @@ class AtomScheduler(SchedulerInterface):
                     request.is_prefill_chunk = end < request.num_tokens
             if self.num_spec_tokens:
                 drafts = self._scheduled_drafts(batch, row_req_ids, n_sched)
+                if self._drafted:
+                    # The rows scheduled now verify them (or, at the position limit, drop them).
+                    for rid in self._drafted.intersection(num_scheduled):
+                        self.requests[rid].spec_token_ids = []
+                    self._drafted.difference_update(num_scheduled)
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -497,6 +558,11 @@ class AtomScheduler(SchedulerInterface):
             # How many drafts the runner's drafter proposes after this step.
             num_spec_tokens_to_schedule=self.num_spec_tokens,
         )
+        if self._num_structured:
+            # get_grammar_bitmask() then builds the bitmask of the rows that sample.
+            out.has_structured_output_requests = any(
+                request.use_structured_output and not request.is_prefill_chunk
+                for request in map(self.requests.get, row_req_ids) if request is not None)
         self.finished_req_ids = set()
         self._preempted_since_schedule = set()
         self._in_flight.append(_InFlight(batch, row_req_ids, rejected, drafts))
@@ -568,7 +634,7 @@ class AtomScheduler(SchedulerInterface):
             outputs[client_index].append(eco)
         self._pending_outputs = []
         if step.batch is not None:
-            self._apply(step, model_runner_output, outputs)
+            self._apply(step, scheduler_output, model_runner_output, outputs)
 
         result = {ci: EngineCoreOutputs(outputs=outs) for ci, outs in outputs.items()}
         if self.finished_req_ids_dict:
@@ -610,7 +676,7 @@ class AtomScheduler(SchedulerInterface):
         return np.array([toks[0] if toks else 0 for toks in self._runner_tokens(step, mro)],
                         dtype=np.int32)
 
-    def _verified_tokens(self, step: _InFlight, mro: Any
+    def _verified_tokens(self, step: _InFlight, scheduler_output: SchedulerOutput, mro: Any
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """With drafts: the core's (sampled [rows, K+1], accepted [rows], drafts [rows, K]).
 
@@ -632,30 +698,34 @@ class AtomScheduler(SchedulerInterface):
                 accepted[row] = len(toks)
         if step.drafts:
             row_of = {rid: row for row, rid in enumerate(step.row_req_ids)}
+            # Drafts a grammar invalidated are not counted as proposed (vLLM's stats rule).
+            invalid = scheduler_output.num_invalid_spec_tokens or {}
             for rid, drafts in step.drafts.items():
                 row = row_of[rid]
                 if not per_row[row]:
                     continue  # finished by vLLM while in flight: the runner dropped it
                 num_accepted = int(accepted[row]) - 1
+                num_proposed = len(drafts) - invalid.get(rid, 0)
                 tracked = self._tracked.get(rid)
                 if tracked is not None:
                     request = tracked.request
                     request.num_computed_tokens -= len(drafts) - num_accepted
                     if request.spec_decode_metrics is not None:
                         request.spec_decode_metrics.observe(
-                            num_draft_tokens=len(drafts), num_accepted=num_accepted,
+                            num_draft_tokens=num_proposed, num_accepted=num_accepted,
                             detailed=self.spec_decode_metrics_level == "detailed")
-                if self.log_stats:
+                if self.log_stats and num_proposed:
                     if self._spec_stats is None:
                         self._spec_stats = SpecDecodingStats.new(k)
-                    self._spec_stats.observe_draft(num_draft_tokens=len(drafts),
+                    self._spec_stats.observe_draft(num_draft_tokens=num_proposed,
                                                    num_accepted_tokens=num_accepted)
         return sampled, accepted, np.full((len(per_row), k), -1, dtype=np.int32)
 
-    def _apply(self, step: _InFlight, mro: Any, outputs: dict[int, list[EngineCoreOutput]]
-               ) -> None:
+    def _apply(self, step: _InFlight, scheduler_output: SchedulerOutput, mro: Any,
+               outputs: dict[int, list[EngineCoreOutput]]) -> None:
         if self.num_spec_tokens:
-            step_out = self.core.update(step.batch, *self._verified_tokens(step, mro))
+            step_out = self.core.update(step.batch,
+                                        *self._verified_tokens(step, scheduler_output, mro))
         else:
             step_out = self.core.update(step.batch, self._sampled_tokens(step, mro))
         index = mro.req_id_to_index
@@ -669,6 +739,7 @@ class AtomScheduler(SchedulerInterface):
         finished_flags = step_out.finished.tolist()
         cached = step_out.num_cached_tokens.tolist()
         tracked_of = self._tracked_by_core_id
+        grammars = self.structured_output_manager if self._num_structured else None
         for k, (core_id, lo, hi, done, num_cached) in enumerate(
                 zip(core_ids, offsets[:-1], offsets[1:], finished_flags, cached, strict=True)):
             tracked = tracked_of.get(core_id)
@@ -677,12 +748,22 @@ class AtomScheduler(SchedulerInterface):
             rid = tracked.rid
             request = tracked.request
             tokens = new_tokens[lo:hi]
+            rejected_by_grammar = False
             if tokens:
                 request.append_output_token_ids(tokens)
+                if grammars is not None and not grammars.accept_tokens(request, tokens):
+                    # vLLM's rule: a token its grammar rejects ends the request with an error.
+                    logger.error("request %s: its grammar rejected tokens %s; ended", rid,
+                                 tokens)
+                    if not done:
+                        self.core.abort_request(core_id)
+                    done = rejected_by_grammar = True
             finish_reason = None
             if done:
                 reason = step_out.finish_reason(k) or ""
-                if reason in _LENGTH_REASONS:
+                if rejected_by_grammar:
+                    request.status = RequestStatus.FINISHED_ERROR
+                elif reason in _LENGTH_REASONS:
                     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 elif reason == "abort":
                     request.status = RequestStatus.FINISHED_ABORTED
@@ -733,8 +814,10 @@ class AtomScheduler(SchedulerInterface):
 
     @property
     def waiting(self) -> list[Request]:
-        """The waiting requests (preempted ones included), head first (a snapshot)."""
-        return self._requests_of(self.core.waiting_ids())
+        """The waiting requests (preempted ones included), head first, then those whose
+        grammar is still compiling (a snapshot)."""
+        return (self._requests_of(self.core.waiting_ids())
+                + list(self._awaiting_grammar.values()))
 
     def _requests_of(self, core_ids: Iterable[int]) -> list[Request]:
         by_id = self._by_core_id
@@ -745,8 +828,20 @@ class AtomScheduler(SchedulerInterface):
 
     # ---- the rest of SchedulerInterface -----------------------------------------------------
 
-    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
-        return None  # structured output is refused at add_request
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The grammar bitmask of the scheduled rows that sample and use structured output,
+        from vLLM's structured-output manager, as vLLM's scheduler builds it."""
+        if not scheduler_output.has_structured_output_requests:
+            return None
+        ids = [rid for rid in scheduler_output.num_scheduled_tokens
+               if (r := self.requests.get(rid)) is not None
+               and r.use_structured_output and not r.is_prefill_chunk]
+        if not ids:
+            return None
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        bitmask = self.structured_output_manager.grammar_bitmask(self.requests, ids, spec)
+        acceptable = [len(strip_speculative_padding(spec.get(rid, []))) for rid in ids]
+        return GrammarOutput(ids, bitmask, acceptable)
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
         """The drafts the runner proposed after the last step (n-gram): each decoding request's
@@ -760,12 +855,20 @@ class AtomScheduler(SchedulerInterface):
             tracked = self._tracked.get(rid)
             if tracked is None or not tracked.on_runner or tracked.request.is_prefill_chunk:
                 continue
+            if tracked.request.use_structured_output:
+                # Only the prefix its grammar allows (vLLM's rule).
+                drafts = self.structured_output_manager.validate_tokens(tracked.request,
+                                                                        list(drafts))
             try:
                 self.core.set_drafts(tracked.core_id, drafts)
             except ValueError as e:
                 # A draft the core cannot verify (more than K, a negative id) is the drafter's
                 # bug, not the request's: the row verifies none and decodes one token.
                 logger.warning("request %s: drafts dropped: %s", rid, e)
+                drafts = []
+            tracked.request.spec_token_ids = list(drafts)
+            if drafts:
+                self._drafted.add(rid)
 
     def update_draft_token_ids_in_output(self, draft_token_ids: Any,
                                          scheduler_output: SchedulerOutput) -> None:
@@ -805,7 +908,8 @@ class AtomScheduler(SchedulerInterface):
         pass  # multimodal models are refused: there is no encoder cache
 
     def get_request_counts(self) -> tuple[int, int]:
-        return int(self.core.num_running), int(self.core.num_waiting)
+        return (int(self.core.num_running),
+                int(self.core.num_waiting) + len(self._awaiting_grammar))
 
     def get_kv_cache_usage(self) -> float:
         usable = self.core.num_usable_blocks

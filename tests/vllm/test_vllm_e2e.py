@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,6 +157,39 @@ def test_ngram_speculative_decoding_gives_vllms_answers():
     _same_answers(ours, theirs)
     _check_stop_rules(ours["outputs"])
     assert stats["num_finished"] == len(SAMPLING) and ours["kv_usage_end"] == 0.0
+
+
+# Structured output (vLLM's grammar backend builds the bitmask of the rows this class
+# schedules, and advances each grammar with the tokens the core accepts).
+CITY = {"type": "object", "properties": {"city": {"type": "string"},
+                                         "country": {"type": "string"}},
+        "required": ["city", "country"]}
+STRUCTURED = [
+    {"temperature": 0.0, "max_tokens": 48, "structured_outputs": {"json": CITY}},
+    {"temperature": 0.0, "max_tokens": 8, "structured_outputs": {"choice": ["yes", "no"]}},
+    {"temperature": 0.0, "max_tokens": 12, "structured_outputs": {"regex": "[A-Z][a-z]+ [0-9]+"}},
+    {"temperature": 0.0, "max_tokens": 24},  # no grammar, in the same batches
+    {"temperature": 0.0, "max_tokens": 48, "structured_outputs": {"json": CITY}},
+    {"temperature": 0.0, "max_tokens": 8, "structured_outputs": {"choice": ["red", "blue"]}},
+]
+
+
+def test_structured_output_gives_vllms_answers():
+    """JSON schema, choice and regex grammars beside a request without one, with prefix
+    caching and chunked prefill: the same tokens as vLLM's scheduler, and each answer obeys
+    its grammar."""
+    ours = run("atom", PREFIX_CHUNKED, sampling=STRUCTURED)
+    theirs = run("vllm", PREFIX_CHUNKED, sampling=STRUCTURED)
+    assert ours["scheduler"] == "atom_sched.vllm.scheduler.AtomScheduler"
+    for i, (a, b) in enumerate(zip(ours["outputs"], theirs["outputs"], strict=True)):
+        assert a["token_ids"] == b["token_ids"], f"prompt {i}: tokens differ"
+        assert a["finish_reason"] == b["finish_reason"]
+    texts = [o["text"] for o in ours["outputs"]]
+    for i in (0, 4):
+        assert set(json.loads(texts[i])) >= {"city", "country"}, texts[i]
+    assert texts[1] in ("yes", "no") and texts[5] in ("red", "blue")
+    assert re.fullmatch("[A-Z][a-z]+ [0-9]+", texts[2]), texts[2]
+    assert ours["core_stats"]["num_finished"] == len(STRUCTURED)
 
 
 def test_abort_through_finish_requests():
@@ -477,6 +511,53 @@ def test_requests_it_cannot_serve_end_with_an_error_while_the_rest_run():
         for e in s.update_from_output(out, runner.step(out)).values():
             tokens += [t for o in e.outputs if o.request_id == "ok" for t in o.new_token_ids]
     assert tokens == [7] * 4 and s.core_stats()["num_finished"] == 1
+
+
+def test_a_request_waits_outside_the_core_while_its_grammar_compiles():
+    """A structured-output request joins the core only once vLLM's grammar for it has
+    compiled (vLLM's WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR): meanwhile it is counted and listed
+    as waiting, an abort ends it, and a grammar that failed to compile ends it with an error
+    (vLLM's rule) while the others run."""
+    from concurrent.futures import Future
+
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import Request, RequestStatus
+
+    from atom_sched.vllm import AtomScheduler
+
+    def structured(rid):
+        sp = SamplingParams(temperature=0.0, max_tokens=4,
+                            structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+        r = Request(request_id=rid, prompt_token_ids=list(range(1, 15)), sampling_params=sp,
+                    pooling_params=None)
+        r.structured_output_request.grammar = Future()  # vLLM's compilation, not done yet
+        return r
+
+    cfg, kv = _config()
+    s = AtomScheduler(cfg, kv, None, block_size=16)
+    broken, dropped = structured("broken"), structured("dropped")
+    for r in (broken, dropped, make_request("plain", 14, 4)):
+        s.add_request(r)
+    runner = StandInRunner(16)
+    out = s.schedule()
+    assert list(out.num_scheduled_tokens) == ["plain"]
+    assert s.get_request_counts() == (1, 2) and s.get_num_unfinished_requests() == 3
+    assert [r.request_id for r in s.waiting] == ["broken", "dropped"]
+    assert not out.has_structured_output_requests and s.get_grammar_bitmask(out) is None
+    s.update_from_output(out, runner.step(out))
+    assert s.finish_requests("dropped", RequestStatus.FINISHED_ABORTED) == [dropped]
+    broken.structured_output_request.grammar.set_exception(RuntimeError("bad grammar"))
+    out = s.schedule()
+    assert "broken" not in out.num_scheduled_tokens
+    ended = {o.request_id: o for o in s.update_from_output(out, runner.step(out))[0].outputs
+             if o.finish_reason is not None}
+    assert ended["broken"].finish_reason == FinishReason.ERROR
+    while s.has_requests():
+        out = s.schedule()
+        s.update_from_output(out, runner.step(out))
+    assert s.core_stats()["num_finished"] == 1 and s.get_request_counts() == (0, 0)
 
 
 @pytest.mark.parametrize("bad", [7, ["a"], "x" * 257, "\ud800"])

@@ -81,8 +81,15 @@ def prompts(tokenizer, system: bool) -> list[dict]:
 
 def sampling_params(spec: list[dict]):
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
-    return [SamplingParams(**kw) for kw in spec]
+    def one(kw: dict):
+        kw = dict(kw)
+        if "structured_outputs" in kw:  # a grammar: json schema, regex, choice...
+            kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
+        return SamplingParams(**kw)
+
+    return [one(kw) for kw in spec]
 
 
 def scheduler_of(llm):
