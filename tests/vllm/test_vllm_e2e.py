@@ -532,12 +532,13 @@ def test_a_request_waits_outside_the_core_while_its_grammar_compiles():
                             structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
         r = Request(request_id=rid, prompt_token_ids=list(range(1, 15)), sampling_params=sp,
                     pooling_params=None)
-        r.structured_output_request.grammar = Future()  # vLLM's compilation, not done yet
-        return r
+        compiling = Future()  # vLLM's compilation, not done yet
+        r.structured_output_request.grammar = compiling
+        return r, compiling
 
     cfg, kv = _config()
     s = AtomScheduler(cfg, kv, None, block_size=16)
-    broken, dropped = structured("broken"), structured("dropped")
+    (broken, compiling), (dropped, _) = structured("broken"), structured("dropped")
     for r in (broken, dropped, make_request("plain", 14, 4)):
         s.add_request(r)
     runner = StandInRunner(16)
@@ -548,7 +549,7 @@ def test_a_request_waits_outside_the_core_while_its_grammar_compiles():
     assert not out.has_structured_output_requests and s.get_grammar_bitmask(out) is None
     s.update_from_output(out, runner.step(out))
     assert s.finish_requests("dropped", RequestStatus.FINISHED_ABORTED) == [dropped]
-    broken.structured_output_request.grammar.set_exception(RuntimeError("bad grammar"))
+    compiling.set_exception(RuntimeError("bad grammar"))
     out = s.schedule()
     assert "broken" not in out.num_scheduled_tokens
     ended = {o.request_id: o for o in s.update_from_output(out, runner.step(out))[0].outputs
