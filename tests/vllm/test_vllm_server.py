@@ -116,3 +116,25 @@ def test_openai_client_gets_vllms_answers(server):
     assert text == theirs[2]["text"] and finish == "stop"
     log = server.log_path.read_text()
     assert "atom_sched scheduler:" in log  # our class built the engine core's scheduler
+
+
+def test_a_request_the_scheduler_refuses_fails_alone_and_the_server_keeps_serving(server):
+    """A client's cache_salt of 100 characters, which vLLM's frontend lets through (at most 128
+    characters), is 300 bytes of UTF-8, more than the core's 256: it must end only that request,
+    since raising inside the engine core's loop would stop the server for every client."""
+    client = server.client()
+    try:
+        resp = client.chat.completions.create(
+            model=server.model, messages=_messages(1), temperature=0.0, max_tokens=8,
+            extra_body={"cache_salt": "\u20ac" * 100})
+    except openai.APIError as e:  # the frontend turns the error finish into an error reply
+        refused = str(e)
+    else:
+        refused = resp.choices[0].finish_reason
+        assert not resp.choices[0].message.content
+    print(f"refused request: {refused}")
+    resp = client.chat.completions.create(model=server.model, messages=_messages(0),
+                                          temperature=0.0, max_tokens=8)
+    assert resp.choices[0].message.content and resp.usage.completion_tokens == 8
+    log = server.log_path.read_text()
+    assert "cache_salt" in log and "not served" in log
