@@ -83,7 +83,7 @@ EXPECTED: list[tuple[str, str, str]] = [
     (S + "test_has_sync_kv_loads", "refused", "KV connectors"),
     (S + "test_pause_new_drains_async_kv_loads", "refused", "KV connectors"),
     (S + "test_prepend_skipped_requests_order", "refused", "KV connectors"),
-    (S + "test_abort_request_*", "refused", "KV connectors / structured output"),
+    (S + "test_abort_request_*", "refused", "KV connectors"),
     (S + "test_async_load_reservation_prevents_wedge_e2e", "refused", "KV connectors"),
     (S + "test_priority_scheduling_preemption_and_resumption_when_out_of_kv", "refused",
      "KV connectors (every case sets one)"),
@@ -133,7 +133,7 @@ EXPECTED: list[tuple[str, str, str]] = [
      "calls the private _preempt_request; aux-output connector attached by hand"),
     (S + "test_scheduler_stats_waiting_queues", "whitebox",
      "sets requests to WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR by hand and reads deferred_waiting "
-     "(structured output is refused)"),
+     "(vLLM's queue of requests whose grammar is compiling)"),
     (S + "test_stop_via_update_from_output", "whitebox",
      "update_from_output of a SchedulerOutput the test built, never scheduled by the class"),
     (S + "test_schedule_skip_tokenizer_init_structured_output_request", "whitebox",
