@@ -435,6 +435,39 @@ def test_failed_update_does_not_touch_spec_stats() -> None:
     assert_same_run(d, reference("sync", k))
 
 
+def test_set_drafts_verifies_them_next_and_refuses_bad_ones_unchanged() -> None:
+    """Scheduler.set_drafts: drafts a drafter proposes after the update that returned the
+    request's last token (vLLM's n-gram proposer) are verified by its next row; bad input is a
+    typed error that changes nothing."""
+    k = 2
+    s = Scheduler(SchedulerConfig(num_blocks=17, block_size=4, max_num_seqs=4,
+                                  max_num_batched_tokens=64, max_model_len=64,
+                                  num_speculative_tokens=k))
+    s.add_request(1, [10, 11, 12], SamplingParams(max_tokens=8))
+    s.add_request(2, [20, 21, 22], SamplingParams(max_tokens=8))
+    b = s.schedule()
+    s.update(b, np.array([[100, -1, -1], [200, -1, -1]], np.int32),
+             draft_token_ids=np.full((2, k), -1, np.int32))
+    s.abort_request(2)
+    s.add_request(3, [30, 31], SamplingParams(max_tokens=8))  # waiting
+    for bad, exc in [([1, 2, 3], ValueError), ([5, -1], ValueError), ([2**31], ValueError),
+                     (["a"], TypeError), ({5}, TypeError), ("5", TypeError)]:
+        expect_unchanged(s, exc, lambda bad=bad: s.set_drafts(1, bad))
+    expect_unchanged(s, KeyError, lambda: s.set_drafts(9, [5]))
+    expect_unchanged(s, ValueError, lambda: s.set_drafts(3, [5]))
+    s.set_drafts(1, np.array([30, 31], np.int64))
+    b = s.schedule(allow_prefill=False)  # the decode step (3 waits: ATOM's policy)
+    row = list(b.req_ids).index(1)
+    assert b.num_scheduled_tokens[row] == 1 + k
+    assert b.spec_draft_tokens[row].tolist() == [30, 31]
+    expect_unchanged(s, ValueError, lambda: s.set_drafts(1, [5]))  # its row is in flight
+    plain = Scheduler(SchedulerConfig(num_blocks=17, block_size=4, max_num_seqs=4,
+                                      max_num_batched_tokens=64, max_model_len=64))
+    plain.add_request(1, [10, 11, 12], SamplingParams(max_tokens=8))
+    plain.update(plain.schedule(), np.array([100], np.int32))
+    expect_unchanged(plain, ValueError, lambda: plain.set_drafts(1, [5]))
+
+
 # ---------------------------------------------------------------------------------------------
 # Values that slip through naive range checks, foreign batches, array layouts
 # ---------------------------------------------------------------------------------------------
