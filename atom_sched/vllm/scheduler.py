@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from vllm.distributed.kv_events import EventPublisherFactory, KVEventBatch
 from vllm.multimodal import MULTIMODAL_REGISTRY, MultiModalRegistry
 from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
 from vllm.v1.core.sched.output import (
@@ -39,6 +40,7 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.structured_output.utils import strip_speculative_padding
 
 import atom_sched
+from atom_sched.vllm.kv_events import to_vllm_events
 from atom_sched.vllm.options import TENANT_ARG, policy_options, request_tenant
 
 # Under vLLM's logger, so that its handlers (the server's log) show these lines.
@@ -139,6 +141,10 @@ class AtomScheduler(SchedulerInterface):
         chunked = bool(sc.enable_chunked_prefill)
         threshold = int(sc.long_prefill_token_threshold or 0) if chunked else 0
         policies = policy_options(getattr(vllm_config, "additional_config", None), str(sc.policy))
+        # KV-cache events (--kv-events-config): the core records them, vLLM's publisher sends.
+        kv_events = vllm_config.kv_events_config
+        self.enable_kv_cache_events = bool(kv_events is not None
+                                           and kv_events.enable_kv_cache_events)
         # Speculative decoding (n-gram): K drafts a decode row at most, proposed by the runner
         # after each step's sampling and handed over through update_draft_token_ids().
         self.num_spec_tokens = int(getattr(vllm_config, "num_speculative_tokens", 0) or 0)
@@ -159,9 +165,12 @@ class AtomScheduler(SchedulerInterface):
             eos_token_id=-1,
             policy="mixed",
             long_prefill_token_threshold=threshold,
+            enable_kv_events=self.enable_kv_cache_events,
             **policies,
         )
         self.core = atom_sched.Scheduler(self.core_config)
+        self.kv_event_publisher = EventPublisherFactory.create(
+            kv_events, getattr(vllm_config.parallel_config, "data_parallel_index", 0))
         c = self.core_config
         logger.info(
             "atom_sched scheduler: %d KV blocks of %d tokens, max_num_seqs=%d, %d tokens a step, "
@@ -255,9 +264,6 @@ class AtomScheduler(SchedulerInterface):
         if getattr(vllm_config, "ec_transfer_config", None) is not None:
             raise _refuse("encoder-cache connectors (ec_transfer_config)",
                           "drop --ec-transfer-config.")
-        kv_events = vllm_config.kv_events_config
-        if kv_events is not None and kv_events.enable_kv_cache_events:
-            raise _refuse("KV cache events (kv_events_config)", "drop --kv-events-config.")
         pc = vllm_config.parallel_config
         if pc.pipeline_parallel_size > 1:
             raise _refuse("pipeline parallelism", "use pipeline_parallel_size=1.")
@@ -635,6 +641,12 @@ class AtomScheduler(SchedulerInterface):
         self._pending_outputs = []
         if step.batch is not None:
             self._apply(step, scheduler_output, model_runner_output, outputs)
+        if self.enable_kv_cache_events:
+            # This step's (and, before it, schedule()'s and a reset's) cache changes.
+            events = self.core.take_events()
+            if events:
+                self.kv_event_publisher.publish(
+                    KVEventBatch(ts=time.time(), events=to_vllm_events(events)))
 
         result = {ci: EngineCoreOutputs(outputs=outs) for ci, outs in outputs.items()}
         if self.finished_req_ids_dict:
@@ -934,5 +946,8 @@ class AtomScheduler(SchedulerInterface):
         """The core's own counters (``atom_sched.Scheduler.stats()``): preemptions, hits..."""
         return self.core.stats()
 
+    def get_kv_event_publisher_config(self) -> Any:
+        return self.kv_event_publisher.get_publisher_config()
+
     def shutdown(self) -> None:
-        pass
+        self.kv_event_publisher.shutdown()

@@ -265,7 +265,6 @@ def test_accepts_a_plain_config_and_sizes_the_core_from_it():
       "num_speculative_tokens": 2}, "vary with the batch size"),
     ({"kv_transfer_config": object()}, "KV connectors"),
     ({"ec_transfer_config": object()}, "encoder-cache connectors"),
-    ({"kv_events_config": SimpleNamespace(enable_kv_cache_events=True)}, "KV cache events"),
     ({"lora_config": object()}, "LoRA"),
     ({"model_config__runner_type": "pooling"}, "pooling models"),
     ({"model_config__is_multimodal_model": True}, "multimodal models"),
@@ -663,3 +662,93 @@ def test_draft_handover_drops_what_cannot_be_verified():
     plain = AtomScheduler(cfg, kv, None, block_size=16)
     with pytest.raises(UnsupportedFeature, match="without speculative decoding"):
         plain.update_draft_token_ids(DraftTokenIds(["a"], [[5]]))
+
+
+def _replayed_batches(replay_endpoint: str, count: int) -> list:
+    """The first ``count`` batches a vLLM publisher sent, read back through its replay socket
+    (ZMQ DEALER; no subscriber can miss them to the slow-joiner race): polled until the
+    publisher's thread has sent them all."""
+    import time
+
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    ctx = zmq.Context.instance()
+    deadline = time.monotonic() + 30
+    with ctx.socket(zmq.DEALER) as sock:
+        sock.connect(replay_endpoint)
+        while True:
+            sock.send_multipart([b"", (0).to_bytes(8, "big")])
+            batches = []
+            while True:
+                assert sock.poll(10_000), "no answer from the replay socket"
+                _, _, seq, payload = sock.recv_multipart()
+                if not payload:
+                    break  # the end marker
+                batches.append(decoder.decode(payload))
+            if len(batches) >= count or time.monotonic() > deadline:
+                return batches
+            time.sleep(0.05)
+
+
+def test_kv_events_go_out_through_vllms_publisher():
+    """--kv-events-config: the core's BlockStored (prompt blocks once their KV is computed; a
+    prefix hit stores nothing new), BlockRemoved (cached blocks evicted for another prompt) and
+    AllBlocksCleared (reset_prefix_cache) reach a ZMQ client in vLLM's format, through vLLM's
+    own publisher (its replay socket here)."""
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    from atom_sched.vllm import AtomScheduler
+
+    pub, replay = _free_tcp_endpoint(), _free_tcp_endpoint()
+    cfg, kv = _config(kv_events_config=KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=pub, replay_endpoint=replay,
+        topic="kv"))
+    kv.num_blocks = 5  # four usable blocks of 16 tokens
+    s = AtomScheduler(cfg, kv, None, block_size=16)
+    published = []
+    publish = s.kv_event_publisher.publish
+    s.kv_event_publisher.publish = lambda batch: (published.append(batch), publish(batch))
+    runner = StandInRunner(16)
+    shared = list(range(1, 33))
+
+    def serve(rid, prompt):
+        s.add_request(make_request(rid, prompt, 4))
+        while s.has_requests():
+            out = s.schedule()
+            s.update_from_output(out, runner.step(out))
+
+    try:
+        serve("a", shared + list(range(100, 108)))  # blocks [1..16], [17..32] stored
+        serve("b", shared + list(range(200, 208)))  # a prefix hit: nothing new stored
+        serve("c", list(range(300, 360)))  # four blocks: a's two cached ones evicted
+        assert s.reset_prefix_cache()
+        out = s.schedule()  # a step with nothing to run publishes the reset
+        s.update_from_output(out, runner.step(out))
+        batches = _replayed_batches(replay, len(published))
+    finally:
+        s.shutdown()
+    events = [e for b in batches for e in b.events]
+    assert len(batches) == len(published)
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    by_hash = {h: e for e in stored for h in e.block_hashes}
+    blocks = [tuple(e.token_ids[i * 16:(i + 1) * 16]) for e in stored
+              for i in range(len(e.block_hashes))]
+    assert blocks[:2] == [tuple(range(1, 17)), tuple(range(17, 33))]
+    assert tuple(range(300, 316)) in blocks and len(blocks) == len(set(blocks))
+    assert all(e.block_size == 16 and e.medium == "GPU" and e.group_idx == 0 for e in stored)
+    a_hashes = [h for e in stored for h in e.block_hashes][:2]  # the blocks of `blocks[:2]`
+    assert set(a_hashes) <= set(removed) <= set(by_hash)
+    assert isinstance(events[-1], AllBlocksCleared)
+
+
+def _free_tcp_endpoint() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
