@@ -24,6 +24,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kv_replay import free_tcp_endpoint, replayed_batches  # noqa: E402
 from stand_in import StandInRunner, make_request  # noqa: E402  (tests/vllm/stand_in.py)
 
 HERE = Path(__file__).resolve().parent
@@ -190,6 +191,20 @@ def test_structured_output_gives_vllms_answers():
     assert texts[1] in ("yes", "no") and texts[5] in ("red", "blue")
     assert re.fullmatch("[A-Z][a-z]+ [0-9]+", texts[2]), texts[2]
     assert ours["core_stats"]["num_finished"] == len(STRUCTURED)
+
+
+def test_kv_events_announce_the_blocks_vllms_scheduler_announces():
+    """--kv-events-config on the real engine: the set of token blocks the class's events say
+    were stored is the set vLLM's scheduler announces for the same requests (prefix caching,
+    chunked prefill, a KV pool that evicts nothing; 32-token blocks, so that prompts and
+    answers fill many, and every request greedy)."""
+    greedy = [dict(sp, temperature=0.0) for sp in SAMPLING]
+    small_blocks = {**PREFIX_CHUNKED, "block_size": 32}
+    ours = run("atom", small_blocks, kv_events=True, sampling=greedy)
+    theirs = run("vllm", small_blocks, kv_events=True, sampling=greedy)
+    print(f"stored blocks: atom_sched {len(ours['stored_blocks'])}, vLLM "
+          f"{len(theirs['stored_blocks'])}")
+    assert ours["stored_blocks"] and ours["stored_blocks"] == theirs["stored_blocks"]
 
 
 def test_abort_through_finish_requests():
@@ -664,35 +679,6 @@ def test_draft_handover_drops_what_cannot_be_verified():
         plain.update_draft_token_ids(DraftTokenIds(["a"], [[5]]))
 
 
-def _replayed_batches(replay_endpoint: str, count: int) -> list:
-    """The first ``count`` batches a vLLM publisher sent, read back through its replay socket
-    (ZMQ DEALER; no subscriber can miss them to the slow-joiner race): polled until the
-    publisher's thread has sent them all."""
-    import time
-
-    import msgspec
-    import zmq
-    from vllm.distributed.kv_events import KVEventBatch
-
-    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-    ctx = zmq.Context.instance()
-    deadline = time.monotonic() + 30
-    with ctx.socket(zmq.DEALER) as sock:
-        sock.connect(replay_endpoint)
-        while True:
-            sock.send_multipart([b"", (0).to_bytes(8, "big")])
-            batches = []
-            while True:
-                assert sock.poll(10_000), "no answer from the replay socket"
-                _, _, seq, payload = sock.recv_multipart()
-                if not payload:
-                    break  # the end marker
-                batches.append(decoder.decode(payload))
-            if len(batches) >= count or time.monotonic() > deadline:
-                return batches
-            time.sleep(0.05)
-
-
 def test_kv_events_go_out_through_vllms_publisher():
     """--kv-events-config: the core's BlockStored (prompt blocks once their KV is computed; a
     prefix hit stores nothing new), BlockRemoved (cached blocks evicted for another prompt) and
@@ -703,7 +689,7 @@ def test_kv_events_go_out_through_vllms_publisher():
 
     from atom_sched.vllm import AtomScheduler
 
-    pub, replay = _free_tcp_endpoint(), _free_tcp_endpoint()
+    pub, replay = free_tcp_endpoint(), free_tcp_endpoint()
     cfg, kv = _config(kv_events_config=KVEventsConfig(
         enable_kv_cache_events=True, publisher="zmq", endpoint=pub, replay_endpoint=replay,
         topic="kv"))
@@ -728,7 +714,7 @@ def test_kv_events_go_out_through_vllms_publisher():
         assert s.reset_prefix_cache()
         out = s.schedule()  # a step with nothing to run publishes the reset
         s.update_from_output(out, runner.step(out))
-        batches = _replayed_batches(replay, len(published))
+        batches = replayed_batches(replay, len(published))
     finally:
         s.shutdown()
     events = [e for b in batches for e in b.events]
@@ -744,11 +730,3 @@ def test_kv_events_go_out_through_vllms_publisher():
     a_hashes = [h for e in stored for h in e.block_hashes][:2]  # the blocks of `blocks[:2]`
     assert set(a_hashes) <= set(removed) <= set(by_hash)
     assert isinstance(events[-1], AllBlocksCleared)
-
-
-def _free_tcp_endpoint() -> str:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"

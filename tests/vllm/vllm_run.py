@@ -118,9 +118,24 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     # vLLM takes a class or its qualified name; ours goes by name, as --scheduler-cls gives it.
     sched_cls = ATOM if cfg["scheduler"] == "atom" else CountingScheduler
+    llm_args = dict(cfg["llm"])
+    replay = None
+    if cfg.get("kv_events"):
+        # vLLM's own publisher on free ports; its replay socket gives the batches back below.
+        from kv_replay import free_tcp_endpoint
+        from vllm.config import KVEventsConfig
+
+        replay = free_tcp_endpoint()
+        llm_args["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=free_tcp_endpoint(),
+            replay_endpoint=replay, topic="kv")
     llm = LLM(model=path, enforce_eager=True, dtype="float32", scheduler_cls=sched_cls,
-              disable_log_stats=False, **cfg["llm"])
+              disable_log_stats=False, **llm_args)
     sched = scheduler_of(llm)
+    published = []
+    if replay is not None:
+        publish = sched.kv_event_publisher.publish
+        sched.kv_event_publisher.publish = lambda b: (published.append(b), publish(b))
     res: dict = {"scheduler": f"{type(sched).__module__}.{type(sched).__name__}"}
     ps = prompts(tok, cfg.get("system", True))[: cfg.get("num_prompts", len(QUESTIONS))]
     sps = sampling_params(cfg["sampling"])
@@ -146,6 +161,16 @@ def main() -> None:
         res["unfinished_after"] = sched.get_num_unfinished_requests()
         res["request_counts"] = list(sched.get_request_counts())
     res["preemptions"] = preemptions(sched)
+    if replay is not None:
+        from kv_replay import replayed_batches
+        from vllm.distributed.kv_events import BlockStored
+
+        # The token blocks the engine said it stored, each once (vLLM also re-announces the
+        # blocks a prefix hit reuses).
+        blocks = {tuple(e.token_ids[i * e.block_size:(i + 1) * e.block_size])
+                  for b in replayed_batches(replay, len(published)) for e in b.events
+                  if isinstance(e, BlockStored) for i in range(len(e.block_hashes))}
+        res["stored_blocks"] = sorted(blocks)
     if hasattr(sched, "core_stats"):
         res["core_stats"] = sched.core_stats()
         res["kv_usage_end"] = sched.get_kv_cache_usage()
