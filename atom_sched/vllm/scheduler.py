@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +83,7 @@ class _Tracked:
     # first schedule and after a preemption.
     on_runner: bool = False
     ever_scheduled: bool = False
+    lora_id: int = 0  # vLLM's lora_int_id, 0 without an adapter
 
 
 @dataclass
@@ -194,11 +195,17 @@ class AtomScheduler(SchedulerInterface):
             defaultdict(set) if include_finished_set else None
         )
         self._preempted_since_schedule: set[str] = set()
-        # Structured output: requests whose grammar vLLM is still compiling (vLLM's
-        # WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR) wait here, outside the core, in arrival order;
-        # and how many live requests use a grammar (0: the hot paths skip grammar work).
-        self._awaiting_grammar: dict[str, Request] = {}
+        # Requests held outside the core, in arrival order, until they can join it
+        # (_ready_for_core): their grammar compiling, or no slot for their LoRA adapter.
+        self._held: dict[str, Request] = {}
+        # How many live requests use a grammar (0: the hot paths skip grammar work).
         self._num_structured = 0
+        # LoRA: the runner holds at most max_loras adapters at once, so the requests in the core
+        # use at most that many (lora_int_id -> how many of them use it).
+        lora_config = getattr(vllm_config, "lora_config", None)
+        self.max_loras = int(lora_config.max_loras) if lora_config is not None else 0
+        self._loras_in_core: Counter[int] = Counter()
+        self._lora_ids: dict[str, int] = {}  # name -> lora_int_id, for KV events
         # Requests whose drafts the runner handed over and no row has verified yet (their vLLM
         # Request's spec_token_ids show them, as with vLLM's scheduler).
         self._drafted: set[str] = set()
@@ -276,8 +283,6 @@ class AtomScheduler(SchedulerInterface):
                           "(--no-async-scheduling).")
         if str(sc.policy) not in ("fcfs", "priority"):
             raise _refuse(f"the scheduling policy {sc.policy!r}", "use fcfs or priority.")
-        if getattr(vllm_config, "lora_config", None) is not None:
-            raise _refuse("LoRA adapters", "serve without --enable-lora.")
         if getattr(vllm_config, "diffusion_config", None) is not None:
             raise _refuse("diffusion language models (diffusion_config)",
                           "they use vLLM's DiffusionScheduler.")
@@ -310,15 +315,25 @@ class AtomScheduler(SchedulerInterface):
             return
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
-        if request.use_structured_output:
-            self._num_structured += 1
-            if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
-                # vLLM compiles its grammar meanwhile (grammar_init); schedule() admits it to
-                # the core once that is done, as vLLM's scheduler holds it back until then.
-                self.requests[rid] = request
-                self._awaiting_grammar[rid] = request
-                return
-        self._admit(request)
+        self._num_structured += request.use_structured_output
+        if self._ready_for_core(request):
+            self._admit(request)
+        else:
+            self.requests[rid] = request
+            self._held[rid] = request
+
+    def _ready_for_core(self, request: Request) -> bool:
+        """Whether a request can join the core now. Not while vLLM still compiles its grammar
+        (grammar_init; vLLM's scheduler holds it back too), nor while the core's requests use
+        max_loras other adapters (vLLM's rule: a batch uses at most max_loras; a request held
+        for that waits until an adapter's last request ends)."""
+        if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+            return False
+        lora = request.lora_request
+        if not self.max_loras or lora is None or lora.lora_int_id <= 0:
+            return True
+        return (lora.lora_int_id in self._loras_in_core
+                or len(self._loras_in_core) < self.max_loras)
 
     def _admit(self, request: Request) -> None:
         """Hands a request to the core (its values checked there) and tracks it."""
@@ -370,26 +385,34 @@ class AtomScheduler(SchedulerInterface):
             request.spec_decode_metrics = RequestSpecDecodeMetrics.new(self.num_spec_tokens)
         self.requests[rid] = request
         tracked = _Tracked(request, rid, core_id, eos)
+        if lora is not None and lora.lora_int_id > 0:
+            tracked.lora_id = lora.lora_int_id
+            self._loras_in_core[lora.lora_int_id] += 1
+            self._lora_ids[lora.lora_name] = lora.lora_int_id
         self._tracked[rid] = tracked
         self._by_core_id[core_id] = rid
         self._tracked_by_core_id[core_id] = tracked
 
-    def _admit_compiled_grammars(self) -> None:
-        """Requests whose grammar vLLM has compiled go to the core, in arrival order; one whose
-        compilation failed ends with an error (vLLM's rule)."""
-        for rid, request in list(self._awaiting_grammar.items()):
-            grammar = request.structured_output_request.grammar
-            if grammar is None:
-                continue
-            del self._awaiting_grammar[rid]
-            if isinstance(grammar, Exception):
-                self._num_structured -= 1
-                del self.requests[rid]
-                self._end_unserved(request, RequestStatus.FINISHED_ERROR,
-                                   f"its grammar did not compile: {grammar}")
-                continue
-            request.status = RequestStatus.WAITING
-            self._admit(request)
+    def _admit_held(self) -> None:
+        """Held requests that can now join the core do, in arrival order (one that cannot is
+        passed over, as vLLM's scheduler skips it); one whose grammar failed to compile ends
+        with an error (vLLM's rule)."""
+        for rid, request in list(self._held.items()):
+            if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+                grammar = request.structured_output_request.grammar
+                if grammar is None:
+                    continue  # still compiling
+                if isinstance(grammar, Exception):
+                    del self._held[rid]
+                    self._num_structured -= 1
+                    del self.requests[rid]
+                    self._end_unserved(request, RequestStatus.FINISHED_ERROR,
+                                       f"its grammar did not compile: {grammar}")
+                    continue
+                request.status = RequestStatus.WAITING
+            if self._ready_for_core(request):
+                del self._held[rid]
+                self._admit(request)
 
     def finish_requests(
         self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
@@ -407,7 +430,7 @@ class AtomScheduler(SchedulerInterface):
             if request is None or request.is_finished():
                 continue
             tracked = self._tracked.get(rid)
-            if tracked is not None:  # else its grammar is still compiling: not in the core
+            if tracked is not None:  # else it is held outside the core
                 try:
                     self.core.abort_request(tracked.core_id)
                 except KeyError:
@@ -422,7 +445,11 @@ class AtomScheduler(SchedulerInterface):
         if tracked is not None:
             self._by_core_id.pop(tracked.core_id, None)
             self._tracked_by_core_id.pop(tracked.core_id, None)
-        self._awaiting_grammar.pop(rid, None)
+            if tracked.lora_id:
+                self._loras_in_core[tracked.lora_id] -= 1
+                if not self._loras_in_core[tracked.lora_id]:
+                    del self._loras_in_core[tracked.lora_id]  # a slot for another adapter
+        self._held.pop(rid, None)
         self._drafted.discard(rid)
         request = self.requests.pop(rid)
         self._num_structured -= request.use_structured_output
@@ -434,8 +461,8 @@ class AtomScheduler(SchedulerInterface):
     # ---- schedule ---------------------------------------------------------------------------
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        if self._awaiting_grammar:
-            self._admit_compiled_grammars()
+        if self._held:
+            self._admit_held()
         batch = None
         if self._pause_state != PauseState.PAUSED_ALL:
             # PAUSED_NEW: no prefill at all (the core has no "running prefills only" switch).
@@ -646,7 +673,7 @@ class AtomScheduler(SchedulerInterface):
             events = self.core.take_events()
             if events:
                 self.kv_event_publisher.publish(
-                    KVEventBatch(ts=time.time(), events=to_vllm_events(events)))
+                    KVEventBatch(ts=time.time(), events=to_vllm_events(events, self._lora_ids)))
 
         result = {ci: EngineCoreOutputs(outputs=outs) for ci, outs in outputs.items()}
         if self.finished_req_ids_dict:
@@ -826,10 +853,9 @@ class AtomScheduler(SchedulerInterface):
 
     @property
     def waiting(self) -> list[Request]:
-        """The waiting requests (preempted ones included), head first, then those whose
-        grammar is still compiling (a snapshot)."""
-        return (self._requests_of(self.core.waiting_ids())
-                + list(self._awaiting_grammar.values()))
+        """The waiting requests (preempted ones included), head first, then those held outside
+        the core (their grammar compiling, or no slot for their LoRA; a snapshot)."""
+        return self._requests_of(self.core.waiting_ids()) + list(self._held.values())
 
     def _requests_of(self, core_ids: Iterable[int]) -> list[Request]:
         by_id = self._by_core_id
@@ -921,7 +947,7 @@ class AtomScheduler(SchedulerInterface):
 
     def get_request_counts(self) -> tuple[int, int]:
         return (int(self.core.num_running),
-                int(self.core.num_waiting) + len(self._awaiting_grammar))
+                int(self.core.num_waiting) + len(self._held))
 
     def get_kv_cache_usage(self) -> float:
         usable = self.core.num_usable_blocks

@@ -207,6 +207,25 @@ def test_kv_events_announce_the_blocks_vllms_scheduler_announces():
     assert ours["stored_blocks"] and ours["stored_blocks"] == theirs["stored_blocks"]
 
 
+def test_lora_adapters_give_vllms_answers():
+    """Two LoRA adapters (made for the test, lora_adapter.py) and requests without one, with
+    max_loras=1: the class holds one adapter's requests outside the core while the other's run,
+    and every answer is vLLM's scheduler's with the same adapters."""
+    lora_llm = {**PREFIX_CHUNKED, "enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
+    greedy = [dict(sp, temperature=0.0) for sp in SAMPLING]
+    extra = {"loras": {"A": [1, 1], "B": [2, 2]},
+             "lora_of_prompt": ["B", "A", None, "A", "B", None], "sampling": greedy}
+    ours = run("atom", lora_llm, **extra)
+    theirs = run("vllm", lora_llm, **extra)
+    base = run("vllm", PREFIX_CHUNKED, sampling=greedy)
+    for i, (a, b) in enumerate(zip(ours["outputs"], theirs["outputs"], strict=True)):
+        assert a["token_ids"] == b["token_ids"], f"prompt {i}: tokens differ"
+        assert (a["finish_reason"], a["stop_reason"]) == (b["finish_reason"], b["stop_reason"])
+    # The adapters change answers (adapter A, seed 1, changes this one on SmolLM2).
+    assert ours["outputs"][1]["text"] != base["outputs"][1]["text"]
+    assert ours["core_stats"]["num_finished"] == len(SAMPLING)
+
+
 def test_abort_through_finish_requests():
     aborted = 3
     ours = run("atom", PREFIX_CHUNKED, scenario="abort", abort_after=6,
@@ -280,7 +299,6 @@ def test_accepts_a_plain_config_and_sizes_the_core_from_it():
       "num_speculative_tokens": 2}, "vary with the batch size"),
     ({"kv_transfer_config": object()}, "KV connectors"),
     ({"ec_transfer_config": object()}, "encoder-cache connectors"),
-    ({"lora_config": object()}, "LoRA"),
     ({"model_config__runner_type": "pooling"}, "pooling models"),
     ({"model_config__is_multimodal_model": True}, "multimodal models"),
     ({"model_config__is_encoder_decoder": True}, "encoder-decoder models"),
@@ -573,6 +591,43 @@ def test_a_request_waits_outside_the_core_while_its_grammar_compiles():
         out = s.schedule()
         s.update_from_output(out, runner.step(out))
     assert s.core_stats()["num_finished"] == 1 and s.get_request_counts() == (0, 0)
+
+
+def test_at_most_max_loras_adapters_are_in_the_core_at_once():
+    """max_loras = 1: requests of adapter B are held outside the core while adapter A's run
+    (listed as waiting), requests without an adapter run beside them, and B's join once A's
+    last request has ended; no step schedules two adapters; an abort of a held request ends
+    it there."""
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.request import RequestStatus
+
+    from atom_sched.vllm import AtomScheduler
+
+    cfg, kv = _config(lora_config=SimpleNamespace(max_loras=1))
+    s = AtomScheduler(cfg, kv, None, block_size=16)
+    lora = {"A": LoRARequest("A", 1, "/adapters/a"), "B": LoRARequest("B", 2, "/adapters/b")}
+    plan = {"a1": ("A", 3), "b1": ("B", 2), "a2": ("A", 5), "x": (None, 6), "b2": ("B", 2),
+            "b3": ("B", 2)}
+    for rid, (name, n) in plan.items():
+        s.add_request(make_request(rid, 14, n, lora_request=lora.get(name)))
+    assert [r.request_id for r in s.waiting][-3:] == ["b1", "b2", "b3"]
+    assert s.get_request_counts() == (0, 6)
+    assert s.finish_requests("b3", RequestStatus.FINISHED_ABORTED)[0].request_id == "b3"
+    runner = StandInRunner(16)
+    first_step = {}
+    step = 0
+    while s.has_requests():
+        out = s.schedule()
+        adapters = {plan[rid][0] for rid in out.num_scheduled_tokens} - {None}
+        assert len(adapters) <= 1, adapters
+        for new in out.scheduled_new_reqs:
+            first_step[new.req_id] = step
+        s.update_from_output(out, runner.step(out))
+        step += 1
+    assert first_step["a1"] == first_step["a2"] == first_step["x"] == 0
+    # B's requests start once a2, A's last, has ended (1 prefill + 4 decode steps).
+    assert first_step["b1"] == first_step["b2"] == 5
+    assert s.core_stats()["num_finished"] == 5
 
 
 @pytest.mark.parametrize("bad", [7, ["a"], "x" * 257, "\ud800"])

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -138,10 +140,20 @@ def main() -> None:
         sched.kv_event_publisher.publish = lambda b: (published.append(b), publish(b))
     res: dict = {"scheduler": f"{type(sched).__module__}.{type(sched).__name__}"}
     ps = prompts(tok, cfg.get("system", True))[: cfg.get("num_prompts", len(QUESTIONS))]
+    # LoRA: {"loras": {name: [lora_int_id, seed]}} makes those adapters (lora_adapter.py);
+    # {"lora_of_prompt": [name or None, ...]} serves each prompt with one.
+    adapters = {}
+    for name, (lora_id, seed) in cfg.get("loras", {}).items():
+        from lora_adapter import make_adapter
+        from vllm.lora.request import LoRARequest
+
+        parent = Path(tempfile.gettempdir()) / "atom_sched_lora"
+        adapters[name] = LoRARequest(name, lora_id, make_adapter(parent, path, seed))
+    lora_of_prompt = [adapters.get(n) for n in cfg.get("lora_of_prompt", [])] or None
     sps = sampling_params(cfg["sampling"])
     sps = (sps * len(ps))[: len(ps)]
     if cfg["scenario"] == "generate":
-        outs = llm.generate(ps, sps, use_tqdm=False)
+        outs = llm.generate(ps, sps, lora_request=lora_of_prompt, use_tqdm=False)
         res["outputs"] = [result_of(o) for o in outs]
     elif cfg["scenario"] == "abort":
         # Drive the engine by hand: abort one request after a few steps (finish_requests).
