@@ -41,7 +41,7 @@ CMAKE_COMMON := -G Ninja -DATOM_SCHED_BUILD_TESTS=ON -DATOM_SCHED_BUILD_PYTHON=O
 SANITIZER_ENV := ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
 
 .PHONY: deps deps-build test-all help venv install demo demo-toy bench-engine build-cpp test-cpp build-asan test-asan test-python test bench clean distclean \
-        build-cuda check-hip gpu-check gpu-check-rehearsal fuzz lint bench-device test-vllm bench-vllm
+        build-cuda check-hip gpu-check gpu-check-rehearsal fuzz lint bench-device test-vllm bench-vllm bench-vllm-e2e
 
 help:
 	@echo "make demo          set up, build, install, then serve SmolLM2-135M with the example engine"
@@ -64,6 +64,7 @@ help:
 	@echo "make bench         run the benchmarks (atom-sched bench)"
 	@echo "make bench-engine  tokens/s of the example engine vs transformers' generate"
 	@echo "make bench-vllm    vLLM's own scheduler vs AtomScheduler, ms per step at 256/1,024/4,096 running"
+	@echo "make bench-vllm-e2e  vLLM on SmolLM2 (CPU): tokens/s with its own scheduler vs AtomScheduler"
 	@echo "make clean         remove build trees; make distclean also removes $(VENV)"
 
 # ---- System packages (Debian 12) -------------------------------------------------------------------
@@ -244,6 +245,11 @@ bench-vllm:
 	scripts/vllm_venv.sh
 	$(CURDIR)/$(VLLM_VENV)/bin/python benchmarks/vllm_scheduler_bench.py \
 	  --json bench_out/vllm_scheduler.json $(BENCH_VLLM_ARGS)
+
+bench-vllm-e2e:
+	scripts/vllm_venv.sh
+	$(CURDIR)/$(VLLM_VENV)/bin/python benchmarks/vllm_e2e_bench.py \
+	  --json bench_out/vllm_e2e.json $(BENCH_VLLM_ARGS)
 
 # The example engine (atom_sched/engine): SmolLM2-135M-Instruct on the CPU answers several prompts
 # served together (continuous batching; a 10-block KV pool and a 32-token budget, so chunked
