@@ -127,6 +127,10 @@ class AtomScheduler(SchedulerInterface):
 
         self.max_model_len = vllm_config.model_config.max_model_len
         self.use_v2_model_runner = bool(getattr(vllm_config, "use_v2_model_runner", False))
+        # Async scheduling (vLLM's AsyncScheduler): the next step is scheduled while this one
+        # runs; the core schedules it one step ahead (two batches outstanding at most, as
+        # vLLM's batch queue), the runner feeds each row the token it sampled last.
+        self.async_scheduling = bool(getattr(self.scheduler_config, "async_scheduling", False))
         # The runner's sampling masks are passed through per request, as vLLM's scheduler does.
         self.return_sampling_mask = bool(
             getattr(vllm_config.model_config, "return_sampling_mask", False))
@@ -278,9 +282,9 @@ class AtomScheduler(SchedulerInterface):
             if getattr(pc, name, 1) > 1:
                 raise _refuse(f"context parallelism ({name})", f"use {name}=1.")
         sc = vllm_config.scheduler_config
-        if getattr(sc, "async_scheduling", False):
-            raise _refuse("async scheduling", "pass async_scheduling=False "
-                          "(--no-async-scheduling).")
+        if getattr(sc, "async_scheduling", False) and spec is not None:
+            raise _refuse("speculative decoding with async scheduling (the drafts' handover "
+                          "in the worker)", "pass --no-async-scheduling.")
         if str(sc.policy) not in ("fcfs", "priority"):
             raise _refuse(f"the scheduling policy {sc.policy!r}", "use fcfs or priority.")
         if getattr(vllm_config, "diffusion_config", None) is not None:
@@ -570,6 +574,10 @@ class AtomScheduler(SchedulerInterface):
                         self.requests[rid].spec_token_ids = []
                     self._drafted.difference_update(num_scheduled)
 
+        pending_grammar_tokens = False
+        if self.async_scheduling and row_req_ids:
+            pending_grammar_tokens = self._add_output_placeholders(
+                row_req_ids, cached_ids, cached_outputs, drafts)
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=CachedRequestData(
@@ -590,6 +598,7 @@ class AtomScheduler(SchedulerInterface):
             preempted_req_ids=self._preempted_since_schedule,
             # How many drafts the runner's drafter proposes after this step.
             num_spec_tokens_to_schedule=self.num_spec_tokens,
+            pending_structured_output_tokens=pending_grammar_tokens,
         )
         if self._num_structured:
             # get_grammar_bitmask() then builds the bitmask of the rows that sample.
@@ -600,6 +609,27 @@ class AtomScheduler(SchedulerInterface):
         self._preempted_since_schedule = set()
         self._in_flight.append(_InFlight(batch, row_req_ids, rejected, drafts))
         return out
+
+    def _add_output_placeholders(self, row_req_ids: list[str], cached_ids: list[str],
+                                 cached_outputs: list[int], drafts: dict[str, list[int]]
+                                 ) -> bool:
+        """Async scheduling: vLLM's AsyncScheduler bookkeeping. A request's outputs the runner
+        will sample but the scheduler has not seen are placeholders: the runner counts them in
+        its outputs (num_output_tokens), each row that samples adds its own, and each output
+        that lands takes them off (a preemption clears them). Returns whether a row that
+        samples under a grammar still waits for such an output (vLLM's
+        pending_structured_output_tokens: the bitmask waits for it)."""
+        requests = self.requests
+        for i, rid in enumerate(cached_ids):
+            cached_outputs[i] += requests[rid].num_output_placeholders
+        pending = False
+        for rid in row_req_ids:
+            request = requests[rid]
+            if request.is_prefill_chunk:
+                continue
+            pending |= request.use_structured_output and request.num_output_placeholders > 0
+            request.num_output_placeholders += 1 + len(drafts.get(rid, ()))
+        return pending
 
     @staticmethod
     def _scheduled_drafts(batch: Any, row_req_ids: list[str], n_sched: list[int]
@@ -652,6 +682,7 @@ class AtomScheduler(SchedulerInterface):
                 request = tracked.request
                 request.status = RequestStatus.PREEMPTED
                 request.num_computed_tokens = 0
+                request.num_output_placeholders = 0  # an output in flight lands all the same
                 request.num_preemptions += 1
                 if self.log_stats:
                     request.record_event(EngineCoreEventType.PREEMPTED, now)
@@ -790,6 +821,9 @@ class AtomScheduler(SchedulerInterface):
             rejected_by_grammar = False
             if tokens:
                 request.append_output_token_ids(tokens)
+                if self.async_scheduling:
+                    request.num_output_placeholders = max(
+                        0, request.num_output_placeholders - len(tokens))
                 if grammars is not None and not grammars.accept_tokens(request, tokens):
                     # vLLM's rule: a token its grammar rejects ends the request with an error.
                     logger.error("request %s: its grammar rejected tokens %s; ended", rid,

@@ -303,7 +303,9 @@ def test_accepts_a_plain_config_and_sizes_the_core_from_it():
     ({"model_config__is_multimodal_model": True}, "multimodal models"),
     ({"model_config__is_encoder_decoder": True}, "encoder-decoder models"),
     ({"parallel_config__pipeline_parallel_size": 2}, "pipeline parallelism"),
-    ({"scheduler_config__async_scheduling": True}, "async scheduling"),
+    ({"scheduler_config__async_scheduling": True, "num_speculative_tokens": 2,
+      "speculative_config": SimpleNamespace(method="ngram")},
+     "speculative decoding with async scheduling"),
     ({"diffusion_config": object()}, "diffusion language models"),
     ({"aux_output_config": SimpleNamespace(enabled=True)}, "routed experts"),
 ])
@@ -628,6 +630,54 @@ def test_at_most_max_loras_adapters_are_in_the_core_at_once():
     # B's requests start once a2, A's last, has ended (1 prefill + 4 decode steps).
     assert first_step["b1"] == first_step["b2"] == 5
     assert s.core_stats()["num_finished"] == 5
+
+
+@pytest.mark.parametrize("num_blocks", [64, 4], ids=["plenty", "preempting"])
+def test_async_scheduling_one_step_ahead_against_a_stand_in_runner(num_blocks):
+    """async_scheduling (vLLM's AsyncScheduler protocol, its engine's batch queue of two): the
+    next step is scheduled before the last one's output lands, each row that samples adds an
+    output placeholder the runner counts (num_output_tokens) and its output takes it off; no
+    row is scheduled for a request whose outputs in flight end it; with three usable blocks a
+    request is preempted while its output is in flight, and every answer is whole."""
+    from collections import deque
+
+    from atom_sched.vllm import AtomScheduler
+
+    cfg, kv = _config(scheduler_config__async_scheduling=True)
+    kv.num_blocks = num_blocks
+    s = AtomScheduler(cfg, kv, None, block_size=16)
+    assert s.async_scheduling
+    runner = StandInRunner(16)
+    max_tokens = {"a": 8, "b": 8, "c": 3}
+    for rid, n in max_tokens.items():
+        s.add_request(make_request(rid, 14, n))
+    got = {rid: [] for rid in max_tokens}
+    queue, scheduled_tokens, max_in_flight = deque(), 0, 0
+    while s.has_requests() or queue:
+        if len(queue) < 2 and s.has_requests():
+            out = s.schedule()
+            c = out.scheduled_cached_reqs
+            for rid, n_out in zip(c.req_ids, c.num_output_tokens, strict=True):
+                request = s.requests[rid]
+                assert n_out == request.num_output_tokens + (
+                    request.num_output_placeholders - (0 if request.is_prefill_chunk else 1))
+            scheduled_tokens += out.total_num_scheduled_tokens
+            queue.append(out)
+            max_in_flight = max(max_in_flight, len(queue))
+            if out.total_num_scheduled_tokens:
+                continue
+        out = queue.popleft()
+        for eco in s.update_from_output(out, runner.step(out)).values():
+            for o in eco.outputs:
+                got[o.request_id] += o.new_token_ids
+    assert got == {rid: [7] * n for rid, n in max_tokens.items()}
+    assert max_in_flight == 2
+    preempted = s.core_stats()["num_preemptions"]
+    assert (preempted > 0) == (num_blocks == 4)
+    if not preempted:
+        # Every prompt once, then one row per output but the first (the prefill samples it).
+        assert scheduled_tokens == sum(14 + n - 1 for n in max_tokens.values())
+    assert not s.requests and s.get_request_counts() == (0, 0)
 
 
 @pytest.mark.parametrize("bad", [7, ["a"], "x" * 257, "\ud800"])

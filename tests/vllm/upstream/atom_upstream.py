@@ -32,6 +32,8 @@ P = "test_prefix_caching.py::"
 
 # kind: "refused"  AtomScheduler refuses the feature (UnsupportedFeature) when it is built or
 #                  given the request: strict xfail that must raise UnsupportedFeature;
+#       "unserved" a request the class does not serve (it ends with an error, never raised
+#                  inside vLLM's engine loop): strict xfail;
 #       "whitebox" the test reads or drives vLLM's Scheduler internals (kv_cache_manager,
 #                  private methods, requests injected into running) or attaches a component the
 #                  class refuses by hand: strict xfail;
@@ -63,8 +65,18 @@ EXPECTED: list[tuple[str, str, str]] = [
     (S + "test_abort_request_when_structured_output_fsm_cannot_advance", "notours",
      "object.__new__(Scheduler) with mocked internals"),
     # ---- features refused at construction or add_request ----
-    (S + "test_async_scheduling_pp_*", "refused", "async scheduling and pipeline parallelism"),
-    (A + "*", "refused", "async scheduling (vLLM's AsyncScheduler variant)"),
+    (S + "test_async_scheduling_pp_*", "refused", "pipeline parallelism"),
+    (A + "test_no_spec_decode_padding_up_to_max_model_len", "refused",
+     "the speculative method ngram_gpu"),
+    (A + "test_kv_pressure_preemption_with_inflight_output[[]3]", "refused",
+     "the speculative method ngram_gpu"),
+    (A + "test_reset_prefix_cache_with_inflight_output_under_kv_pressure*", "refused",
+     "the speculative method ngram_gpu (every case)"),
+    (A + "test_connector_metadata_precedes_async_placeholder_advance", "refused",
+     "KV connectors"),
+    (A + "test_kv_pressure_preempt_mid_handoff*", "refused", "KV connectors"),
+    (A + "test_resumable_request_handoff", "unserved",
+     "streaming-input sessions (such a request ends with an error)"),
     (S + "test_diffusion_scheduler_is_selected_by_default*", "refused",
      "diffusion language models (vLLM's DiffusionScheduler)"),
     (S + "test_pooling_*", "refused", "pooling models"),
@@ -134,6 +146,10 @@ EXPECTED: list[tuple[str, str, str]] = [
     (S + "test_scheduler_stats_waiting_queues", "whitebox",
      "sets requests to WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR by hand and reads deferred_waiting "
      "(vLLM's queue of requests whose grammar is compiling)"),
+    (A + "test_kv_pressure_preemption_with_inflight_output[[]0]", "whitebox",
+     "calls the private _preempt_request"),
+    (A + "test_requires_kv_delivery_defaults_to_producer_role", "whitebox",
+     "reads requires_kv_delivery (a KV connector's property of vLLM's Scheduler)"),
     (S + "test_stop_via_update_from_output", "whitebox",
      "update_from_output of a SchedulerOutput the test built, never scheduled by the class"),
     (S + "test_schedule_skip_tokenizer_init_structured_output_request", "whitebox",
@@ -151,6 +167,9 @@ EXPECTED: list[tuple[str, str, str]] = [
      "pipeline parallelism or async scheduling, both refused): the core schedules ahead"),
     (S + "test_preempt_during_execution", "policy",
      "a second schedule() before the first update_from_output (batch queue, as above)"),
+    (A + "test_prefix_caching_for_prefill_dedup", "policy",
+     "a block enters the prefix cache when the step that computed it returns: two identical "
+     "prompts admitted in one step share no blocks"),
     (S + "test_spec_decode_padding_first_decode_step", "policy",
      "a decode row without drafts verifies none: it is not padded to 1 + K with -1 drafts"),
     (S + "test_spec_decode_padding_resumed_request_without_running_requests", "policy",
@@ -178,21 +197,21 @@ def _expectation(nodeid: str) -> tuple[str, str, str] | None:
 
 
 def _wrap_create_scheduler(orig):
-    from atom_sched.vllm import AtomScheduler, UnsupportedFeature
+    from atom_sched.vllm import AtomScheduler
 
     def create_scheduler(*args, scheduler_cls=None, **kwargs):
-        if MODE == "atom":
-            if scheduler_cls is not None:
-                pytest.skip(f"tests vLLM's own {scheduler_cls.__name__} (passed as "
-                            "scheduler_cls), not the scheduler under test")
-            if kwargs.get("async_scheduling"):
-                # The test wants vLLM's AsyncScheduler variant. AtomScheduler refuses
-                # async_scheduling=True, but vLLM's CPU platform turns the flag off in the
-                # config before the class could see it, so the refusal is made here.
-                raise UnsupportedFeature("atom_sched.vllm.AtomScheduler does not support "
-                                         "async scheduling (the AsyncScheduler variant) yet")
-            scheduler_cls = AtomScheduler
-        return orig(*args, scheduler_cls=scheduler_cls, **kwargs)
+        if MODE != "atom":
+            return orig(*args, scheduler_cls=scheduler_cls, **kwargs)
+        if scheduler_cls is not None:
+            pytest.skip(f"tests vLLM's own {scheduler_cls.__name__} (passed as "
+                        "scheduler_cls), not the scheduler under test")
+        scheduler = orig(*args, scheduler_cls=AtomScheduler, **kwargs)
+        if kwargs.get("async_scheduling"):
+            # The test wants vLLM's AsyncScheduler behaviour. vLLM's CPU platform turns
+            # scheduler_config.async_scheduling off while the config is built (a GPU keeps it,
+            # and the class reads it there), so the flag the class reads is set here.
+            scheduler.async_scheduling = True
+        return scheduler
 
     create_scheduler.__wrapped__ = orig
     return create_scheduler
