@@ -163,8 +163,9 @@ EXPECTED: list[tuple[str, str, str]] = [
     (S + "test_long_prefill_threshold_floored_by_fair_share", "policy",
      "long_prefill_token_threshold is fixed in the core: no adaptive fair-share floor"),
     (S + "test_schedule_concurrent_batches", "policy",
-     "a second schedule() before the first update_from_output (vLLM's batch queue, only with "
-     "pipeline parallelism or async scheduling, both refused): the core schedules ahead"),
+     "a second schedule() before the first update_from_output without async scheduling "
+     "(vLLM's batch queue with pipeline parallelism, refused): the core schedules the running "
+     "requests one step ahead, vLLM's synchronous scheduler leaves them out"),
     (S + "test_preempt_during_execution", "policy",
      "a second schedule() before the first update_from_output (batch queue, as above)"),
     (A + "test_prefix_caching_for_prefill_dedup", "policy",
