@@ -798,85 +798,125 @@ class AtomScheduler(SchedulerInterface):
                                         *self._verified_tokens(step, scheduler_output, mro))
         else:
             step_out = self.core.update(step.batch, self._sampled_tokens(step, mro))
-        index = mro.req_id_to_index
-        logprobs = mro.logprobs
-        masks = getattr(mro, "sampling_masks", None) if self.return_sampling_mask else None
-        prompt_logprobs = mro.prompt_logprobs_dict or {}
         # The step's columns as Python lists at once, as in schedule().
         core_ids = step_out.request_ids.tolist()
-        offsets = step_out.token_offsets.tolist()
         new_tokens = step_out.new_tokens.tolist()
         finished_flags = step_out.finished.tolist()
         cached = step_out.num_cached_tokens.tolist()
         tracked_of = self._tracked_by_core_id
-        grammars = self.structured_output_manager if self._num_structured else None
+        if (len(new_tokens) == len(core_ids) and not any(finished_flags)
+                and not self._num_structured and not self.async_scheduling
+                and mro.logprobs is None and not mro.prompt_logprobs_dict
+                and getattr(mro, "num_nans_in_logits", None) is None
+                and (getattr(mro, "sampling_masks", None) is None
+                     or not self.return_sampling_mask)
+                and all(c in tracked_of for c in core_ids)):
+            self._apply_steady(step_out, core_ids, new_tokens, cached, mro, outputs)
+            return
+        offsets = step_out.token_offsets.tolist()
         for k, (core_id, lo, hi, done, num_cached) in enumerate(
                 zip(core_ids, offsets[:-1], offsets[1:], finished_flags, cached, strict=True)):
             tracked = tracked_of.get(core_id)
             if tracked is None:
                 continue  # finished by vLLM (finish_requests) while in flight
-            rid = tracked.rid
+            self._entry_output(step_out, k, tracked, new_tokens[lo:hi], done, num_cached, mro,
+                               outputs)
+
+    def _apply_steady(self, step_out: Any, core_ids: list[int], new_tokens: list[int],
+                      cached: list[int], mro: Any, outputs: dict[int, list[EngineCoreOutput]]
+                      ) -> None:
+        """A step where every entry brings one token and nothing ends, and nothing asks for
+        logprobs, masks or grammars: what _entry_output() does, with the work none of it needs
+        left out. An entry with anything more to report (its first output's prefill stats, its
+        events, trace headers, another client) goes through _entry_output()."""
+        tracked_of = self._tracked_by_core_id
+        first_client: list[EngineCoreOutput] = []
+        for k, (core_id, token) in enumerate(zip(core_ids, new_tokens, strict=True)):
+            tracked = tracked_of[core_id]
             request = tracked.request
-            tokens = new_tokens[lo:hi]
-            rejected_by_grammar = False
-            if tokens:
-                request.append_output_token_ids(tokens)
-                if self.async_scheduling:
-                    request.num_output_placeholders = max(
-                        0, request.num_output_placeholders - len(tokens))
-                if grammars is not None and not grammars.accept_tokens(request, tokens):
-                    # vLLM's rule: a token its grammar rejects ends the request with an error.
-                    logger.error("request %s: its grammar rejected tokens %s; ended", rid,
-                                 tokens)
-                    if not done:
-                        self.core.abort_request(core_id)
-                    done = rejected_by_grammar = True
-            finish_reason = None
-            if done:
-                reason = step_out.finish_reason(k) or ""
-                if rejected_by_grammar:
-                    request.status = RequestStatus.FINISHED_ERROR
-                elif reason in _LENGTH_REASONS:
-                    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                elif reason == "abort":
-                    request.status = RequestStatus.FINISHED_ABORTED
-                else:  # "eos" never occurs (ignore_eos); "stop_<id>" covers EOS too
-                    request.status = RequestStatus.FINISHED_STOPPED
-                    last = tokens[-1] if tokens else None
-                    if last is not None and last != tracked.eos_token_id:
-                        request.stop_reason = last
-                finish_reason = request.get_finished_reason()
-            new_logprobs = None
-            new_sampling_mask = None
-            if tokens and (logprobs is not None or masks is not None):
-                i = index.get(rid)
-                if i is not None:
-                    if logprobs is not None and request.sampling_params.logprobs is not None:
-                        new_logprobs = logprobs.slice_request(i, len(tokens))
-                    if masks is not None:
-                        new_sampling_mask = masks.slice_request(i, len(tokens))
-            prefill_stats = None
-            if request.prefill_stats is not None:
-                prefill_stats = request.take_prefill_stats()
-                prefill_stats.finalize(num_cached)
-                self._prefix_stats.record(num_tokens=request.num_prompt_tokens,
-                                          num_hits=num_cached,
-                                          preempted=request.num_preemptions > 0)
-            outputs[request.client_index].append(EngineCoreOutput(
-                request_id=rid,
-                new_token_ids=tokens,
-                finish_reason=finish_reason,
-                new_logprobs=new_logprobs,
-                new_sampling_mask=new_sampling_mask,
-                new_prompt_logprobs_tensors=prompt_logprobs.get(rid) if prompt_logprobs else None,
-                stop_reason=request.stop_reason,
-                events=request.take_events() if request.events else None,
-                prefill_stats=prefill_stats,
-                spec_decode_metrics=request.spec_decode_metrics if finish_reason else None,
-                trace_headers=request.trace_headers,
-            ))
-            if finish_reason is not None:
-                self._free(rid)
+            if (request.prefill_stats is not None or request.events or request.client_index
+                    or request.trace_headers is not None):
+                self._entry_output(step_out, k, tracked, [token], False, cached[k], mro,
+                                   outputs)
+                continue
+            # Request.append_output_token_ids() without its call overhead (it extends these two
+            # lists, then runs the block hasher, which the class removed at add_request).
+            request._output_token_ids.append(token)
+            request._all_token_ids.append(token)
+            first_client.append(EngineCoreOutput(tracked.rid, [token]))
+        if first_client:
+            outputs[0].extend(first_client)
+
+    def _entry_output(self, step_out: Any, k: int, tracked: _Tracked, tokens: list[int],
+                      done: bool, num_cached: int, mro: Any,
+                      outputs: dict[int, list[EngineCoreOutput]]) -> None:
+        """Entry ``k`` of the core's step output as the vLLM ``Request``'s new tokens, status and
+        stats, and its ``EngineCoreOutput``; a finished request is freed."""
+        rid = tracked.rid
+        request = tracked.request
+        rejected_by_grammar = False
+        if tokens:
+            request.append_output_token_ids(tokens)
+            if self.async_scheduling:
+                request.num_output_placeholders = max(
+                    0, request.num_output_placeholders - len(tokens))
+            if (request.use_structured_output
+                    and not self.structured_output_manager.accept_tokens(request, tokens)):
+                # vLLM's rule: a token its grammar rejects ends the request with an error.
+                logger.error("request %s: its grammar rejected tokens %s; ended", rid, tokens)
+                if not done:
+                    self.core.abort_request(tracked.core_id)
+                done = rejected_by_grammar = True
+        finish_reason = None
+        if done:
+            reason = step_out.finish_reason(k) or ""
+            if rejected_by_grammar:
+                request.status = RequestStatus.FINISHED_ERROR
+            elif reason in _LENGTH_REASONS:
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            elif reason == "abort":
+                request.status = RequestStatus.FINISHED_ABORTED
+            else:  # "eos" never occurs (ignore_eos); "stop_<id>" covers EOS too
+                request.status = RequestStatus.FINISHED_STOPPED
+                last = tokens[-1] if tokens else None
+                if last is not None and last != tracked.eos_token_id:
+                    request.stop_reason = last
+            finish_reason = request.get_finished_reason()
+        new_logprobs = None
+        new_sampling_mask = None
+        logprobs = mro.logprobs
+        masks = getattr(mro, "sampling_masks", None) if self.return_sampling_mask else None
+        if tokens and (logprobs is not None or masks is not None):
+            i = mro.req_id_to_index.get(rid)
+            if i is not None:
+                if logprobs is not None and request.sampling_params.logprobs is not None:
+                    new_logprobs = logprobs.slice_request(i, len(tokens))
+                if masks is not None:
+                    new_sampling_mask = masks.slice_request(i, len(tokens))
+        prefill_stats = None
+        if request.prefill_stats is not None:
+            prefill_stats = request.take_prefill_stats()
+            prefill_stats.finalize(num_cached)
+            self._prefix_stats.record(num_tokens=request.num_prompt_tokens, num_hits=num_cached,
+                                      preempted=request.num_preemptions > 0)
+        prompt_logprobs = mro.prompt_logprobs_dict
+        nans = getattr(mro, "num_nans_in_logits", None)
+        outputs[request.client_index].append(EngineCoreOutput(
+            request_id=rid,
+            new_token_ids=tokens,
+            finish_reason=finish_reason,
+            new_logprobs=new_logprobs,
+            new_sampling_mask=new_sampling_mask,
+            new_prompt_logprobs_tensors=prompt_logprobs.get(rid) if prompt_logprobs else None,
+            stop_reason=request.stop_reason,
+            events=request.take_events() if request.events else None,
+            prefill_stats=prefill_stats,
+            spec_decode_metrics=request.spec_decode_metrics if finish_reason else None,
+            trace_headers=request.trace_headers,
+            num_nans_in_logits=nans.get(rid, 0) if nans else 0,
+        ))
+        if finish_reason is not None:
+            self._free(rid)
 
     # ---- vLLM's Scheduler attributes engines and tools read -----------------------------------
 
