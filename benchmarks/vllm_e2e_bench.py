@@ -3,14 +3,16 @@
 Each run is one ``vllm.LLM`` in a fresh process (``--one vllm|atom``), serving the same batch of
 requests with ``llm.generate``: SmolLM2-135M-Instruct (the example engine's model folder) on
 vLLM's CPU build, ``--requests`` chat prompts (the questions of tests/vllm/vllm_run.py with its
-shared system prompt, cycled, each made distinct by a numbered first line so that only the system
+shared system prompt, cycled, each made distinct by a numbered question so that only the system
 prompt is shared), greedy, ``ignore_eos`` with ``--max-tokens`` each, so both schedulers produce
 exactly the same number of tokens. The time is ``llm.generate``'s wall clock after a warm-up
 request; tokens/s counts the output tokens. The two schedulers alternate (``--rounds``, who goes
-first alternating); reported: each run, the medians, and atom_sched / vLLM.
+first alternating); reported: each run (its steps, the tokens they computed, and the time spent
+inside the scheduler's ``schedule`` and ``update_from_output``), the medians, and atom_sched /
+vLLM.
 
     .venv-vllm/bin/python benchmarks/vllm_e2e_bench.py [--requests 64] [--max-tokens 64]
-        [--rounds 3] [--max-num-seqs 32] [--json out.json]
+        [--rounds 3] [--max-num-seqs 32] [--max-num-batched-tokens 512] [--json out.json]
 
 A benchmark, not a test: nothing is asserted about the time. The answers of the two schedulers
 are compared (token for token) and a difference is reported.
@@ -60,14 +62,35 @@ def one_run(args: argparse.Namespace) -> dict:
               max_num_batched_tokens=args.max_num_batched_tokens, **kwargs)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts[:1], sp, use_tqdm=False)  # warm-up: first-call costs out of the timing
+    # The engine's steps, the tokens they computed (prompt and decode) and the seconds spent in
+    # the scheduler's two calls, through thin wrappers around them (both schedulers alike).
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    counts = {"steps": 0, "scheduled_tokens": 0, "scheduler_s": 0.0}
+    schedule, update = sched.schedule, sched.update_from_output
+
+    def counted_schedule(*a, **k):
+        t = time.perf_counter()
+        out = schedule(*a, **k)
+        counts["scheduler_s"] += time.perf_counter() - t
+        if out.total_num_scheduled_tokens:
+            counts["steps"] += 1
+            counts["scheduled_tokens"] += out.total_num_scheduled_tokens
+        return out
+
+    def timed_update(*a, **k):
+        t = time.perf_counter()
+        out = update(*a, **k)
+        counts["scheduler_s"] += time.perf_counter() - t
+        return out
+
+    sched.schedule, sched.update_from_output = counted_schedule, timed_update
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     seconds = time.perf_counter() - t0
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    sched = llm.llm_engine.engine_core.engine_core.scheduler
     return {"scheduler": f"{type(sched).__module__}.{type(sched).__name__}",
             "seconds": seconds, "output_tokens": sum(map(len, tokens)),
-            "tokens_per_s": sum(map(len, tokens)) / seconds, "tokens": tokens}
+            "tokens_per_s": sum(map(len, tokens)) / seconds, **counts, "tokens": tokens}
 
 
 def spawn(which: str, args: argparse.Namespace) -> dict:
@@ -103,7 +126,10 @@ def main() -> None:
             res = spawn(which, args)
             runs[which].append(res)
             print(f"round {r + 1} {which:4}: {res['output_tokens']} tokens in "
-                  f"{res['seconds']:.2f} s = {res['tokens_per_s']:.1f} tokens/s", flush=True)
+                  f"{res['seconds']:.2f} s = {res['tokens_per_s']:.1f} tokens/s "
+                  f"({res['steps']} steps computing {res['scheduled_tokens']} tokens; "
+                  f"{1000 * res['scheduler_s']:.0f} ms in the scheduler)",
+                  flush=True)
     same = all(a["tokens"] == runs["vllm"][0]["tokens"] for a in runs["atom"])
     med = {k: statistics.median(x["tokens_per_s"] for x in v) for k, v in runs.items()}
     print(f"median tokens/s: vLLM's scheduler {med['vllm']:.1f}, atom_sched {med['atom']:.1f}, "
