@@ -98,7 +98,7 @@ class _InFlight:
 
 
 class AtomScheduler(SchedulerInterface):
-    """vLLM's ``SchedulerInterface`` on atom_sched's core (synchronous scheduling)."""
+    """vLLM's ``SchedulerInterface`` on atom_sched's core (synchronous or async scheduling)."""
 
     def __init__(
         self,
