@@ -835,3 +835,88 @@ def test_kv_events_go_out_through_vllms_publisher():
     a_hashes = [h for e in stored for h in e.block_hashes][:2]  # the blocks of `blocks[:2]`
     assert set(a_hashes) <= set(removed) <= set(by_hash)
     assert isinstance(events[-1], AllBlocksCleared)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_streams_keep_every_invariant_against_a_stand_in_runner(seed):
+    """The features together, on random streams: arrivals over time, prompts of 5 to 70 tokens
+    in a pool of seven 16-token blocks (preemption), one in ten longer (rejected), aborts of
+    live requests (in flight too), two LoRA adapters with max_loras = 1, and per seed either
+    n-gram-style drafts (some right, some wrong) or async scheduling. After every call the
+    core's invariants hold; no step schedules two adapters; every request that was not aborted
+    ends with exactly its max_tokens tokens or is rejected whole; nothing is left behind."""
+    import random
+    from collections import deque
+
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import RequestStatus
+
+    from atom_sched.vllm import AtomScheduler
+
+    rng = random.Random(seed)
+    use_async = seed % 2 == 1
+    k = 0 if use_async else 2
+    over = {"lora_config": SimpleNamespace(max_loras=1),
+            "scheduler_config__max_num_seqs": 4, "scheduler_config__max_num_batched_tokens": 32,
+            "scheduler_config__async_scheduling": use_async}
+    if k:
+        over.update(speculative_config=SimpleNamespace(method="ngram"), num_speculative_tokens=k)
+    cfg, kv = _config(**over)
+    kv.num_blocks = 8
+    s = AtomScheduler(cfg, kv, None, block_size=16)
+    loras = [None, LoRARequest("A", 1, "/a"), LoRARequest("B", 2, "/b")]
+    runner = StandInRunner(16, drafter=lambda rid: [7, rng.choice([7, 9])][:rng.randint(0, k)])
+    want, got, ended, aborted, adapter = {}, {}, {}, set(), {}
+    queue: deque = deque()
+    next_id = 0
+
+    def deliver(out):
+        for eco in s.update_from_output(out, runner.step(out)).values():
+            for o in eco.outputs:
+                got[o.request_id] += o.new_token_ids
+                if o.finish_reason is not None:
+                    ended[o.request_id] = o.finish_reason
+        s.core.check_invariants()
+        if k:
+            s.update_draft_token_ids(runner.take_draft_token_ids())
+            s.core.check_invariants()
+
+    for step in range(400):
+        if step < 150 and rng.random() < 0.3:
+            rid = f"r{next_id}"
+            next_id += 1
+            want[rid], got[rid] = rng.randint(1, 12), []
+            adapter[rid] = rng.choice(loras)
+            # One prompt in ten is longer than the pool's 112 positions: rejected.
+            length = rng.randint(5, 70) if rng.random() < 0.9 else rng.randint(113, 130)
+            s.add_request(make_request(rid, length, want[rid], lora_request=adapter[rid]))
+        if step < 150 and s.requests and rng.random() < 0.05:
+            rid = rng.choice(sorted(s.requests))
+            s.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+            aborted.add(rid)
+        s.core.check_invariants()
+        if len(queue) < (2 if use_async else 1) and s.has_requests():
+            out = s.schedule()
+            s.core.check_invariants()
+            names = {adapter[r].lora_name for r in out.num_scheduled_tokens if adapter[r]}
+            assert len(names) <= 1, names
+            queue.append(out)
+            if use_async and out.total_num_scheduled_tokens and len(queue) < 2:
+                continue
+        if queue:
+            deliver(queue.popleft())
+        if step >= 150 and not queue and not s.has_requests():
+            break
+    assert not queue and not s.has_requests(), "requests left unfinished"
+    for rid, n in want.items():
+        if rid in aborted:
+            continue
+        if ended[rid] == FinishReason.LENGTH and got[rid] == []:
+            continue  # rejected: the prompt can never fit the pool
+        assert got[rid] == [7] * n, (rid, got[rid], n)
+    assert not s.requests and not runner.blocks and s.get_kv_cache_usage() == 0.0
+    stats = s.core_stats()
+    print(f"seed {seed}: {len(want)} requests, {len(aborted)} aborted, "
+          f"{stats['num_preemptions']} preemptions, {stats['num_rejected']} rejected, "
+          f"{stats['num_accepted_draft_tokens']}/{stats['num_draft_tokens']} drafts accepted")
