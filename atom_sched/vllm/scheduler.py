@@ -88,11 +88,12 @@ class _Tracked:
 
 @dataclass
 class _InFlight:
-    """One scheduled step: the core's batch and its rows' vLLM ids, until update_from_output."""
+    """One scheduled step, until update_from_output: the SchedulerOutput vLLM will hand back,
+    the core's batch and its rows' vLLM ids."""
 
+    output: SchedulerOutput
     batch: Any
     row_req_ids: list[str]
-    rejected: list[str] = field(default_factory=list)
     # Each decode row's drafts as scheduled (vLLM's scheduled_spec_decode_tokens).
     drafts: dict[str, list[int]] = field(default_factory=dict)
 
@@ -479,7 +480,7 @@ class AtomScheduler(SchedulerInterface):
             batch = self.core.schedule(allow_prefill=allow_prefill)
             if allow_prefill:
                 self.prefill_capacity_bound = self.core.num_waiting > 0
-        rejected = self._take_rejected()
+        self._take_rejected()
         self._note_preemptions()
 
         new_reqs: list[NewRequestData] = []
@@ -607,7 +608,7 @@ class AtomScheduler(SchedulerInterface):
                 for request in map(self.requests.get, row_req_ids) if request is not None)
         self.finished_req_ids = set()
         self._preempted_since_schedule = set()
-        self._in_flight.append(_InFlight(batch, row_req_ids, rejected, drafts))
+        self._in_flight.append(_InFlight(out, batch, row_req_ids, drafts))
         return out
 
     def _add_output_placeholders(self, row_req_ids: list[str], cached_ids: list[str],
@@ -643,17 +644,14 @@ class AtomScheduler(SchedulerInterface):
         table = batch.spec_draft_tokens[rows].tolist()
         return {row_req_ids[r]: d[:n_sched[r] - 1] for r, d in zip(rows, table, strict=True)}
 
-    def _take_rejected(self) -> list[str]:
+    def _take_rejected(self) -> None:
         """Requests the core refused (a prompt it can never hold): FINISHED_IGNORED, as vLLM."""
-        done = []
         for rej in self.core.take_rejected():
             rid = self._by_core_id.get(int(rej.request_id))
-            if rid is None:
-                continue
-            self._end_unserved(self.requests[rid], RequestStatus.FINISHED_IGNORED, rej.reason)
-            self._free(rid)
-            done.append(rid)
-        return done
+            if rid is not None:
+                self._end_unserved(self.requests[rid], RequestStatus.FINISHED_IGNORED,
+                                   rej.reason)
+                self._free(rid)
 
     def _end_unserved(self, request: Request, status: RequestStatus, why: str) -> None:
         """Ends a request that gets no token: its final output (no tokens, the status's finish
@@ -692,6 +690,12 @@ class AtomScheduler(SchedulerInterface):
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> dict[int, EngineCoreOutputs]:
+        if not self._in_flight or self._in_flight[0].output is not scheduler_output:
+            # vLLM hands its outputs back in the order schedule() returned them (its batch
+            # queue is FIFO); anything else would apply one step's tokens to another's rows.
+            raise ValueError("update_from_output() takes the oldest SchedulerOutput this "
+                             "scheduler returned and has not had back "
+                             f"({len(self._in_flight)} outstanding)")
         step = self._in_flight.pop(0)
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         for client_index, eco in self._pending_outputs:

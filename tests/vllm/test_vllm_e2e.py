@@ -680,6 +680,38 @@ def test_async_scheduling_one_step_ahead_against_a_stand_in_runner(num_blocks):
     assert not s.requests and s.get_request_counts() == (0, 0)
 
 
+def test_update_from_output_takes_the_oldest_output_back_only():
+    """update_from_output() of a SchedulerOutput the class did not return, or not the oldest
+    outstanding one, is a ValueError that changes nothing: applying one step's tokens to
+    another's rows would corrupt every answer in it."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from atom_sched.vllm import AtomScheduler
+
+    cfg, kv = _config(scheduler_config__async_scheduling=True)
+    s = AtomScheduler(cfg, kv, None, block_size=16)
+    runner = StandInRunner(16)
+    s.add_request(make_request("a", 14, 4))
+    with pytest.raises(ValueError, match="0 outstanding"):
+        s.update_from_output(SchedulerOutput.make_empty(), None)
+    first = s.schedule()
+    second = s.schedule()
+    ran_first = runner.step(first)
+    for wrong in (second, SchedulerOutput.make_empty()):
+        with pytest.raises(ValueError, match="oldest"):
+            s.update_from_output(wrong, ran_first)
+    s.update_from_output(first, ran_first)
+    got = []
+    queue = [second]
+    while queue:
+        out = queue.pop(0)
+        for eco in s.update_from_output(out, runner.step(out)).values():
+            got += [t for o in eco.outputs for t in o.new_token_ids]
+        if s.has_requests():
+            queue.append(s.schedule())
+    assert got == [7] * 3 and not s.has_requests()
+
+
 @pytest.mark.parametrize("bad", [7, ["a"], "x" * 257, "\ud800"])
 def test_a_bad_tenant_counts_against_the_default_tenant(bad):
     """The tenant is a client's value (vllm_xargs): one that is not a str of at most 256 bytes

@@ -151,7 +151,8 @@ EXPECTED: list[tuple[str, str, str]] = [
     (A + "test_requires_kv_delivery_defaults_to_producer_role", "whitebox",
      "reads requires_kv_delivery (a KV connector's property of vLLM's Scheduler)"),
     (S + "test_stop_via_update_from_output", "whitebox",
-     "update_from_output of a SchedulerOutput the test built, never scheduled by the class"),
+     "update_from_output of a SchedulerOutput the test built, never scheduled by the class "
+     "(a ValueError: the class takes back only its oldest outstanding output)"),
     (S + "test_schedule_skip_tokenizer_init_structured_output_request", "whitebox",
      "reads deferred_waiting (vLLM's queue of requests whose grammar is compiling)"),
     (S + "test_memory_leak", "whitebox",
