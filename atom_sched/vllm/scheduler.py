@@ -735,7 +735,7 @@ class AtomScheduler(SchedulerInterface):
                        for i in map(index.get, step.row_req_ids)]
         else:
             per_row = [None] * len(step.row_req_ids)
-        if None in per_row or [] in per_row:
+        if not all(per_row):  # a row without tokens: fine only where it samples nothing
             emits = step.batch.emits_token
             for row, toks in enumerate(per_row):
                 rid = step.row_req_ids[row]
@@ -807,36 +807,34 @@ class AtomScheduler(SchedulerInterface):
         new_tokens = step_out.new_tokens.tolist()
         finished_flags = step_out.finished.tolist()
         cached = step_out.num_cached_tokens.tolist()
-        tracked_of = self._tracked_by_core_id
+        # Each entry's request, looked up once (None: finished by vLLM while in flight).
+        rows = list(map(self._tracked_by_core_id.get, core_ids))
         if (len(new_tokens) == len(core_ids) and not any(finished_flags)
                 and not self._num_structured and not self.async_scheduling
                 and mro.logprobs is None and not mro.prompt_logprobs_dict
                 and getattr(mro, "num_nans_in_logits", None) is None
                 and (getattr(mro, "sampling_masks", None) is None
                      or not self.return_sampling_mask)
-                and all(c in tracked_of for c in core_ids)):
-            self._apply_steady(step_out, core_ids, new_tokens, cached, mro, outputs)
+                and None not in rows):
+            self._apply_steady(step_out, rows, new_tokens, cached, mro, outputs)
             return
         offsets = step_out.token_offsets.tolist()
-        for k, (core_id, lo, hi, done, num_cached) in enumerate(
-                zip(core_ids, offsets[:-1], offsets[1:], finished_flags, cached, strict=True)):
-            tracked = tracked_of.get(core_id)
+        for k, (tracked, lo, hi, done, num_cached) in enumerate(
+                zip(rows, offsets[:-1], offsets[1:], finished_flags, cached, strict=True)):
             if tracked is None:
                 continue  # finished by vLLM (finish_requests) while in flight
             self._entry_output(step_out, k, tracked, new_tokens[lo:hi], done, num_cached, mro,
                                outputs)
 
-    def _apply_steady(self, step_out: Any, core_ids: list[int], new_tokens: list[int],
+    def _apply_steady(self, step_out: Any, rows: list[_Tracked], new_tokens: list[int],
                       cached: list[int], mro: Any, outputs: dict[int, list[EngineCoreOutput]]
                       ) -> None:
         """A step where every entry brings one token and nothing ends, and nothing asks for
         logprobs, masks or grammars: what _entry_output() does, with the work none of it needs
         left out. An entry with anything more to report (its first output's prefill stats, its
         events, trace headers, another client) goes through _entry_output()."""
-        tracked_of = self._tracked_by_core_id
         first_client: list[EngineCoreOutput] = []
-        for k, (core_id, token) in enumerate(zip(core_ids, new_tokens, strict=True)):
-            tracked = tracked_of[core_id]
+        for k, (tracked, token) in enumerate(zip(rows, new_tokens, strict=True)):
             request = tracked.request
             if (request.prefill_stats is not None or request.events or request.client_index
                     or request.trace_headers is not None):
