@@ -547,6 +547,29 @@ def test_requests_it_cannot_serve_end_with_an_error_while_the_rest_run():
     assert tokens == [7] * 4 and s.core_stats()["num_finished"] == 1
 
 
+def test_a_lora_name_the_core_refuses_ends_that_request_and_takes_no_adapter_slot():
+    """An adapter name over the core's 256 bytes (a name the server was given) ends that request
+    with an error; the slot of max_loras = 1 stays free for the next adapter."""
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.engine import FinishReason
+
+    from atom_sched.vllm import AtomScheduler
+
+    cfg, kv = _config(lora_config=SimpleNamespace(max_loras=1))
+    s = AtomScheduler(cfg, kv, None, block_size=16)
+    s.add_request(make_request("long", 14, 2, lora_request=LoRARequest("x" * 300, 1, "/x")))
+    s.add_request(make_request("ok", 14, 2, lora_request=LoRARequest("B", 2, "/b")))
+    assert s.get_request_counts() == (0, 1), "the refused adapter must not hold the slot"
+    runner = StandInRunner(16)
+    ended = {}
+    while s.has_requests():
+        out = s.schedule()
+        for eco in s.update_from_output(out, runner.step(out)).values():
+            ended.update({o.request_id: o.finish_reason for o in eco.outputs
+                          if o.finish_reason is not None})
+    assert ended == {"long": FinishReason.ERROR, "ok": FinishReason.LENGTH}
+
+
 def test_a_request_waits_outside_the_core_while_its_grammar_compiles():
     """A structured-output request joins the core only once vLLM's grammar for it has
     compiled (vLLM's WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR): meanwhile it is counted and listed
