@@ -284,10 +284,14 @@ class ConnectorRequest:
     def finish_reason(self) -> str | None: ...
 
 class RemoteMatch:
+    # first_token >= 0 (ATOM's remote prefill): the whole prompt is remote, num_tokens is
+    # informational. first_token == -1: num_tokens tokens after the local hit have external KV.
+    # retry_later: the connector cannot tell yet (vLLM's None). docs/api.md "KV connector".
     num_tokens: int
     load_async: bool
     first_token: int
     draft_tokens: list[int]
+    retry_later: bool
     def __init__(
         self,
         *,
@@ -295,6 +299,7 @@ class RemoteMatch:
         load_async: bool = False,
         first_token: int = -1,
         draft_tokens: Sequence[int] = ...,
+        retry_later: bool = False,
     ) -> None: ...
 
 class KVConnector:

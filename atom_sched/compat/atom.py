@@ -370,14 +370,15 @@ class _AtomConnector(KVConnector):
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest) -> RemoteMatch:
         seq = self._seq(request)
-        num, load_async = self.atom.get_num_new_matched_tokens(seq)
+        _count, load_async = self.atom.get_num_new_matched_tokens(seq)
         if not load_async:
-            return RemoteMatch(num_tokens=int(num or 0))
-        # ATOM injects the producer's first token (and drafts) at the ready transition.
+            return RemoteMatch()  # ATOM ignores the count of a synchronous answer
+        # ATOM's remote prefill covers the whole prompt (its count is informational) and
+        # injects the producer's first token (and drafts) at the ready transition.
         params = getattr(seq, "kv_transfer_params", None) or {}
         t0 = params.get("first_token_id")
         drafts = list(params.get("draft_token_ids") or [])[: self.compat.mtp_k]
-        return RemoteMatch(num_tokens=int(num), load_async=True,
+        return RemoteMatch(num_tokens=request.num_prompt_tokens, load_async=True,
                            first_token=-1 if t0 is None else int(t0), draft_tokens=drafts)
 
     def update_state_after_alloc(self, request: ConnectorRequest) -> None:

@@ -67,12 +67,20 @@ class PyKvConnector : public KvConnector {
     py::gil_scoped_acquire gil;
     py::object res = call("get_num_new_matched_tokens", copy_of(r));
     if (py::isinstance<RemoteMatch>(res)) return res.cast<RemoteMatch>();
-    // ATOM's shape: (num_tokens, needs_async_load).
-    auto t = res.cast<py::tuple>();
-    if (t.size() != 2)
-      throw std::runtime_error(
-          "get_num_new_matched_tokens must return a RemoteMatch or (num_tokens, load_async)");
     RemoteMatch m;
+    if (res.is_none()) {  // vLLM's shape for "cannot tell yet"
+      m.retry_later = true;
+      return m;
+    }
+    // ATOM's and vLLM's shape: (num_tokens, load_async); vLLM's (None, _) is "cannot tell yet".
+    if (!py::isinstance<py::tuple>(res) || py::len(res) != 2)
+      throw std::runtime_error("get_num_new_matched_tokens must return a RemoteMatch, "
+                               "(num_tokens, load_async) or None");
+    auto t = res.cast<py::tuple>();
+    if (t[0].is_none()) {
+      m.retry_later = true;
+      return m;
+    }
     m.num_tokens = t[0].cast<int32_t>();
     m.load_async = t[1].cast<bool>();
     return m;
@@ -129,19 +137,21 @@ void bind_connector_types(py::module_& m) {
 
   py::class_<RemoteMatch>(m, "RemoteMatch", "A KV connector's answer for a waiting request.")
       .def(py::init([](int32_t num_tokens, bool load_async, int32_t first_token,
-                       std::vector<int32_t> draft_tokens) {
+                       std::vector<int32_t> draft_tokens, bool retry_later) {
              RemoteMatch r;
              r.num_tokens = num_tokens;
              r.load_async = load_async;
              r.first_token = first_token;
              r.draft_tokens = std::move(draft_tokens);
+             r.retry_later = retry_later;
              r.validate();  // ValueError here, not a rejected request later
              return r;
            }),
            py::kw_only(), "num_tokens"_a = 0, "load_async"_a = false, "first_token"_a = -1,
-           "draft_tokens"_a = std::vector<int32_t>{})
+           "draft_tokens"_a = std::vector<int32_t>{}, "retry_later"_a = false)
       .def_readwrite("num_tokens", &RemoteMatch::num_tokens)
       .def_readwrite("load_async", &RemoteMatch::load_async)
+      .def_readwrite("retry_later", &RemoteMatch::retry_later)
       // The token ids are checked when set as on construction (ValueError, value unchanged).
       .def_property(
           "first_token", [](const RemoteMatch& r) { return r.first_token; },
@@ -163,8 +173,8 @@ void bind_connector_types(py::module_& m) {
   py::class_<KvConnector, PyKvConnector, std::shared_ptr<KvConnector>>(
       m, "KVConnector",
       "Base class of scheduler-side KV connectors (ATOM's KVConnectorSchedulerBase). Subclass it\n"
-      "and implement is_producer(), get_num_new_matched_tokens(request) -> RemoteMatch or\n"
-      "(num_tokens, load_async), update_state_after_alloc(request) and\n"
+      "and implement is_producer(), get_num_new_matched_tokens(request) -> RemoteMatch,\n"
+      "(num_tokens, load_async) or None (cannot tell yet), update_state_after_alloc(request) and\n"
       "request_finished(request) -> bool (True keeps the blocks until finished_sending).")
       .def(py::init<>());
 }

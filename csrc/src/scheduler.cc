@@ -383,6 +383,7 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.num_unstreamed = 0;
   r.remote_ready = r.awaiting_send = r.awaiting_recv = false;
   r.remote_first_token = -1;
+  r.remote_computed = 0;
   r.remote_drafts.clear();
   r.pending_stop = FinishReason::kNone;
   r.pending_stop_token = -1;
@@ -599,9 +600,16 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
   const AdmissionHeadroom headroom{config_.admission_watermark_blocks};
   const bool fair = fair_share();
   if (fair) update_tenant_counters();  // with this step's rows so far
-  while (waiting_.size > 0 && b.num_rows < max_rows && num_running() < max_rows &&
-         b.num_tokens < budget) {
-    const int32_t s = fair ? fair_pick(tenant_counters_) : waiting_.head;
+  // Requests whose connector cannot answer yet stay in `waiting`, skipped in this call. In
+  // service order they are a prefix of what is left: the next pick follows the last skipped.
+  std::vector<int32_t>& skipped = admission_skipped_;
+  skipped.clear();
+  while (waiting_.size > static_cast<int32_t>(skipped.size()) && b.num_rows < max_rows &&
+         num_running() < max_rows && b.num_tokens < budget) {
+    const int32_t s = fair            ? fair_pick(tenant_counters_, skipped)
+                      : skipped.empty() ? waiting_.head
+                                        : links_[skipped.back()].next;
+    if (s < 0) break;
     Request& r = requests_[s];
     if (auto why = unschedulable_reason(r)) {
       reject(s, "unschedulable: " + *why);
@@ -629,10 +637,15 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
         continue;
       }
     }
-    // A remote prefill computes the prompt: its request takes no budget.
+    if (match.retry_later) {
+      skipped.push_back(s);
+      continue;
+    }
+    const int32_t computed = hits * bs + external_tokens(r, hits * bs, match);
+    // A request waiting for its KV computes nothing yet: it takes no budget.
     const int32_t chunk =
         match.load_async ? 0
-                         : chunk_of(r.num_tokens() - hits * bs, budget - b.num_tokens, r.preempted);
+                         : chunk_of(r.num_tokens() - computed, budget - b.num_tokens, r.preempted);
     if (chunk == 0 && !match.load_async) break;
     pool_.allocate(r.block_hashes, hits, r.num_tokens(), r.block_table);
     r.table_changed();
@@ -658,6 +671,7 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
       r.remote_ready = false;
       r.remote_first_token = match.first_token;
       r.remote_drafts = std::move(match.draft_tokens);
+      r.remote_computed = computed;
       list_insert_after(remote_waiting_, remote_waiting_.tail, s);
       continue;
     }
@@ -668,13 +682,21 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
     }
     if (needs_state) r.state_slot = pool_.take_state_slot();
     take_device_slot(r);
-    r.num_computed_tokens = hits * bs;
+    r.num_computed_tokens = computed;  // the external tokens' KV loads before this step runs
     r.status = RequestStatus::kRunning;
     add_running(s);
-    track_partial(s);  // always partial here: the last block is never a hit
+    track_partial(s);  // always partial here: the last token is always computed
     add_prefill_row(b, s, chunk);
     if (fair) tenant_counters_[r.tenant] += chunk / tenants_.weight(r.tenant);
   }
+}
+
+int32_t Scheduler::external_tokens(const Request& r, int32_t local, const RemoteMatch& m) {
+  if (m.first_token >= 0) return 0;  // ATOM's remote prefill: the prompt, decoded from T0
+  // Loaded before this step's forward, the KV of the tokens after the local hit; a load this
+  // step waits for may cover every token (the last is re-forwarded once it lands).
+  const int32_t room = r.num_tokens() - local - (m.load_async ? 0 : 1);
+  return std::clamp(m.num_tokens, 0, std::max(room, 0));
 }
 
 void Scheduler::update_tenant_counters() {

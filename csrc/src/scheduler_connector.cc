@@ -13,6 +13,10 @@ namespace atom_sched {
 using detail::id_str;
 
 void RemoteMatch::validate() const {
+  if (retry_later) return;  // nothing else is read
+  if (num_tokens < 0)
+    throw InvalidArgument("RemoteMatch.num_tokens must be >= 0, got " +
+                          std::to_string(num_tokens));
   if (first_token < -1)
     throw InvalidArgument("RemoteMatch.first_token must be >= 0, or -1 for none, got " +
                           std::to_string(first_token));
@@ -20,6 +24,9 @@ void RemoteMatch::validate() const {
     if (draft_tokens[i] < 0)
       throw InvalidArgument("RemoteMatch.draft_tokens[" + std::to_string(i) + "] is negative (" +
                             std::to_string(draft_tokens[i]) + ")");
+  if (load_async && num_tokens == 0 && first_token < 0)
+    throw InvalidArgument("RemoteMatch: load_async with nothing to load (num_tokens 0, no "
+                          "first_token)");
 }
 
 ConnectorRequest Scheduler::connector_view(const Request& r) const {
@@ -100,12 +107,24 @@ void Scheduler::update_from_kv_xfer_finished(std::span<const int64_t> finished_s
 
 void Scheduler::start_remote_decode(int32_t slot) {
   Request& r = requests_[slot];
-  // The remote prefill filled the prompt's blocks: publish its full ones (ATOM never did, 8.15).
-  // Only real prompt tokens are hashed, never the injected token or drafts (8.16).
-  const int32_t end = r.num_prompt_tokens / config_.block_size;
+  // ATOM's remote prefill (a first token) or a load covering every token: the request decodes.
+  // Otherwise it prefills what the load did not cover.
+  const bool decodes = r.remote_first_token >= 0 || r.remote_computed >= r.num_tokens();
+  // The loaded KV is local now: publish its full blocks (ATOM never did, 8.15). Only real prompt
+  // tokens are hashed in ATOM's case, never the injected token or drafts (8.16).
+  const int32_t present = r.remote_first_token >= 0 ? r.num_prompt_tokens : r.remote_computed;
+  const int32_t end = present / config_.block_size;
   if (config_.enable_prefix_caching && r.blocks_published < end) publish_blocks(r, end);
   if (config_.num_state_slots > 0) r.state_slot = pool_.take_state_slot();
   take_device_slot(r);
+  r.status = RequestStatus::kRunning;
+  ++stats_.num_remote_prefills;
+  if (!decodes) {
+    r.num_computed_tokens = r.remote_computed;
+    add_running(slot);
+    track_partial(slot);
+    return;
+  }
   if (r.remote_first_token >= 0) {
     // The producer's first token becomes a real token, streamed with the first output.
     r.append_token(r.remote_first_token);
@@ -125,9 +144,7 @@ void Scheduler::start_remote_decode(int32_t slot) {
   if (r.pending_stop != FinishReason::kNone && r.num_computed_tokens >= position_limit_)
     r.num_computed_tokens = r.num_prompt_tokens - 1;
   r.prefill_target = r.num_computed_tokens;
-  r.status = RequestStatus::kRunning;
   add_running(slot);
-  ++stats_.num_remote_prefills;
 }
 
 }  // namespace atom_sched

@@ -356,3 +356,69 @@ def test_remote_match_setters_check_and_keep_the_old_value():
     assert m.first_token == 9 and m.draft_tokens == [1, 2]
     m.first_token, m.draft_tokens = -1, [0]  # -1: no first token; 0 is a valid id
     assert m.first_token == -1 and m.draft_tokens == [0]
+
+
+@pytest.mark.parametrize("kw, what", [
+    (dict(num_tokens=-1), "num_tokens must be >= 0"),
+    (dict(load_async=True), "load_async with nothing to load"),
+])
+def test_remote_match_refuses_impossible_counts(kw, what):
+    with pytest.raises(ValueError, match=what):
+        RemoteMatch(**kw)
+
+
+class External(KVConnector):
+    """vLLM's shape of answer: (tokens after the local hit, load_async), or None / (None, _) for
+    "cannot tell yet"; answers per request id, each used once (then: nothing external)."""
+
+    def __init__(self, answers):
+        super().__init__()
+        self.answers = dict(answers)
+        self.allocs = {}
+
+    def is_producer(self):
+        return False
+
+    def get_num_new_matched_tokens(self, request):
+        return self.answers.pop(request.request_id, (0, False))
+
+    def update_state_after_alloc(self, request):
+        self.allocs[request.request_id] = (request.num_cached_tokens, list(request.block_ids))
+
+    def request_finished(self, request):
+        return False
+
+
+@pytest.mark.parametrize("later", [None, (None, False), RemoteMatch(retry_later=True)])
+def test_cannot_tell_yet_skips_the_request_this_step(later):
+    s = make()
+    s.set_kv_connector(External({0: later}))
+    s.add_request(0, list(range(10, 16)), SamplingParams(max_tokens=1))
+    s.add_request(1, list(range(20, 26)), SamplingParams(max_tokens=1))
+    b = s.schedule()
+    assert list(b.req_ids) == [1] and s.waiting_ids() == [0]
+    s.update(b, np.array([5], np.int32))
+    b = s.schedule()  # asked again: now nothing external
+    assert list(b.req_ids) == [0] and not s.take_rejected() and not s.take_connector_errors()
+    s.check_invariants()
+
+
+def test_external_tokens_synchronous_and_asynchronous():
+    """(n, False): the admitting step computes from the local hit + n; (n, True): the request
+    waits for the load, then prefills the rest. Positions say where computing starts."""
+    s = make()
+    conn = External({0: (8, False), 1: (4, True)})
+    s.set_kv_connector(conn)
+    s.add_request(0, list(range(10, 21)), SamplingParams(max_tokens=1))
+    s.add_request(1, list(range(30, 41)), SamplingParams(max_tokens=1))
+    b = s.schedule()
+    assert list(b.req_ids) == [0] and list(b.positions) == [8, 9, 10]
+    assert s.request_state(1)["status"] == "waiting_for_remote_kv"
+    assert len(conn.allocs[1][1]) == 3
+    s.update(b, np.array([5], np.int32))
+    s.update_from_kv_xfer_finished(finished_recving=[1])
+    b = s.schedule()
+    assert list(b.req_ids) == [1] and list(b.positions) == list(range(4, 11))
+    out = s.update(b, np.array([6], np.int32))
+    assert [o.output_tokens for o in out] == [[6]]
+    s.check_invariants()

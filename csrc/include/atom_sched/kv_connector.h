@@ -34,14 +34,27 @@ struct ConnectorRequest {
   int32_t stop_token = -1;                           // the stop token of a kStopToken finish
 };
 
-/// get_num_new_matched_tokens()'s answer.
+/// get_num_new_matched_tokens()'s answer. Two shapes:
+///  * ATOM's remote prefill: load_async with first_token >= 0. The whole prompt is remote
+///    (num_tokens is informational); once the KV arrives the request decodes, first_token being
+///    its first real token.
+///  * External KV (vLLM's connectors), first_token == -1: num_tokens tokens after the local
+///    prefix hit (ConnectorRequest::num_cached_tokens) have KV the connector supplies. With
+///    load_async the request waits for it; once it arrives the request prefills what is left
+///    (re-forwarding the last token when nothing is). Without, the KV loads during the step that
+///    admits the request, which computes from there; at least one token is always computed.
+///    More tokens than the request has is read as all of them.
+/// retry_later (vLLM's None): the connector cannot tell yet; the request stays waiting, skipped
+/// in this step's admission (the requests behind it are still considered).
 struct RemoteMatch {
-  int32_t num_tokens = 0;    // informational, as in ATOM: with load_async the prompt is remote
+  int32_t num_tokens = 0;
   bool load_async = false;   // the request waits for that KV instead of prefilling
   int32_t first_token = -1;  // the producer's first sampled token (ATOM's T0), -1 if none
   std::vector<int32_t> draft_tokens;  // the producer's drafts for the first decode (<= K used)
+  bool retry_later = false;
 
-  /// Token ids are checked as prompt tokens are: first_token >= -1, every draft >= 0. Throws
+  /// num_tokens >= 0; token ids are checked as prompt tokens are: first_token >= -1, every draft
+  /// >= 0; load_async needs something to load (num_tokens > 0 or a first_token). Throws
   /// InvalidArgument naming the bad value. The scheduler calls it on every answer (a bad answer
   /// is a failed connector call); a binding may call it on construction.
   void validate() const;

@@ -95,6 +95,7 @@ struct alignas(64) Request {
   FinishReason finish_reason = FinishReason::kNone;
   int32_t stop_token = -1;
   int32_t remote_first_token = -1;      // the producer's first token, injected when the KV arrives
+  int32_t remote_computed = 0;  // without it: tokens whose KV is present once the load lands
   // Set only with num_unstreamed > 0 (which guards every read on the step path).
   FinishReason pending_stop = FinishReason::kNone;  // the injected first token already stops it
   int32_t pending_stop_token = -1;

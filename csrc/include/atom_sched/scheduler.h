@@ -380,6 +380,8 @@ class Scheduler {
   void take_device_slot(Request& r);
   void release_kv(Request& r, bool keep_blocks = false);  // blocks, state and device slots
   void start_remote_decode(int32_t slot);  // kWaitingForRemoteKv -> running, KV arrived
+  // Tokens after a local hit of `local` whose KV a connector's answer supplies.
+  static int32_t external_tokens(const Request& r, int32_t local, const RemoteMatch& m);
   void admit_remote_ready();               // every request whose KV arrived, within max_num_seqs
   [[nodiscard]] ConnectorRequest connector_view(const Request& r) const;
   void connector_failed(const Request& r, const char* call, const std::exception& e);
@@ -537,6 +539,7 @@ class Scheduler {
   std::vector<int32_t> free_device_slots_;  // device state slots not held by an admission
   // Running requests whose prefill is not fully scheduled yet, in running order (few).
   std::vector<int32_t> partial_;
+  std::vector<int32_t> admission_skipped_;  // schedule_prefills(): connector said retry_later
   std::vector<int32_t> victim_refs_;  // [num_blocks], 0 between calls: preemption_can_free()
   uint64_t next_epoch_ = 1;
   uint64_t next_arrival_seq_ = 0;
