@@ -40,8 +40,11 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.structured_output.utils import strip_speculative_padding
 
 import atom_sched
+from atom_sched.vllm.kv_connector import VllmConnectorBridge, make_kv_connector
 from atom_sched.vllm.kv_events import to_vllm_events
 from atom_sched.vllm.options import TENANT_ARG, policy_options, request_tenant
+from atom_sched.vllm.refusals import UnsupportedFeature
+from atom_sched.vllm.refusals import refuse as _refuse
 
 # Under vLLM's logger, so that its handlers (the server's log) show these lines.
 logger = logging.getLogger("vllm.atom_sched")
@@ -51,14 +54,6 @@ logger = logging.getLogger("vllm.atom_sched")
 __all__ = ["AtomScheduler", "UnsupportedFeature"]
 
 
-class UnsupportedFeature(NotImplementedError):
-    """A vLLM feature this scheduler class does not serve (yet)."""
-
-
-def _refuse(feature: str, hint: str) -> UnsupportedFeature:
-    return UnsupportedFeature(
-        f"atom_sched.vllm.AtomScheduler does not support {feature} yet; {hint}"
-    )
 
 
 # Speculative methods whose drafts come from the request's own tokens, proposed by the model
@@ -122,9 +117,11 @@ class AtomScheduler(SchedulerInterface):
         self.hash_block_size = hash_block_size if hash_block_size is not None else block_size
         self._check_supported(vllm_config, kv_cache_config, block_size, self.hash_block_size)
 
-        # vLLM's EngineCore reads these attributes directly.
-        self.connector = None
+        # vLLM's EngineCore reads these attributes directly. The KV connector (vLLM's, role
+        # SCHEDULER) answers the core through a bridge, made once the core exists.
+        self.connector = make_kv_connector(vllm_config, kv_cache_config)
         self.ec_connector = None
+        self._kv: VllmConnectorBridge | None = None
 
         self.max_model_len = vllm_config.model_config.max_model_len
         self.use_v2_model_runner = bool(getattr(vllm_config, "use_v2_model_runner", False))
@@ -175,6 +172,11 @@ class AtomScheduler(SchedulerInterface):
             **policies,
         )
         self.core = atom_sched.Scheduler(self.core_config)
+        if self.connector is not None:
+            self._kv = VllmConnectorBridge(
+                self.connector, block_size,
+                lambda core_id: self._tracked_by_core_id[core_id].request)
+            self.core.set_kv_connector(self._kv)
         self.kv_event_publisher = EventPublisherFactory.create(
             kv_events, getattr(vllm_config.parallel_config, "data_parallel_index", 0))
         c = self.core_config
@@ -271,8 +273,10 @@ class AtomScheduler(SchedulerInterface):
             if getattr(spec, "parallel_drafting", False):
                 raise _refuse("parallel drafting (input slots budgeted for the drafter)",
                               "drop parallel_drafting.")
-        if vllm_config.kv_transfer_config is not None:
-            raise _refuse("KV connectors (kv_transfer_config)", "drop --kv-transfer-config.")
+        kv_transfer = vllm_config.kv_transfer_config
+        if kv_transfer is not None and kv_transfer.kv_load_failure_policy != "fail":
+            raise _refuse(f"kv_load_failure_policy={kv_transfer.kv_load_failure_policy!r} (a "
+                          "failed KV load is recomputed)", "use the default, 'fail'.")
         if getattr(vllm_config, "ec_transfer_config", None) is not None:
             raise _refuse("encoder-cache connectors (ec_transfer_config)",
                           "drop --ec-transfer-config.")
@@ -286,6 +290,10 @@ class AtomScheduler(SchedulerInterface):
         if getattr(sc, "async_scheduling", False) and spec is not None:
             raise _refuse("speculative decoding with async scheduling (the drafts' handover "
                           "in the worker)", "pass --no-async-scheduling.")
+        if getattr(sc, "async_scheduling", False) and kv_transfer is not None:
+            raise _refuse("KV connectors with async scheduling (a freed block may still be "
+                          "written by the step in flight when a load refills it)",
+                          "pass --no-async-scheduling.")
         if str(sc.policy) not in ("fcfs", "priority"):
             raise _refuse(f"the scheduling policy {sc.policy!r}", "use fcfs or priority.")
         if getattr(vllm_config, "diffusion_config", None) is not None:
@@ -350,7 +358,7 @@ class AtomScheduler(SchedulerInterface):
             logger.warning("request %s: extra_args[%r] is not a str of at most 256 bytes; "
                            "counted against the default tenant", rid, TENANT_ARG)
             tenant = ""
-        if request.kv_transfer_params:
+        if request.kv_transfer_params and self.connector is None:
             logger.warning("request %s: kv_transfer_params ignored (no KV connector)", rid)
         eos = sp.eos_token_id
         stops = sorted(set(sp.stop_token_ids or ()) | ({eos} if eos is not None else set()))
@@ -382,10 +390,13 @@ class AtomScheduler(SchedulerInterface):
         # vLLM's engine core gives each request a block hasher for vLLM's own prefix cache: a
         # sha256 of each block the request's tokens complete, run on every appended token
         # (about a microsecond per request per step). The core hashes its blocks itself, and
-        # nothing vLLM runs with this class reads Request.block_hashes (vLLM's KVCacheManager
-        # is never built; KV connectors are refused), so the output tokens are not hashed for
-        # it: block_hashes keeps the prompt's blocks only.
-        request._block_hasher = None
+        # without a KV connector (which may key its store by them) nothing vLLM runs with this
+        # class reads Request.block_hashes (vLLM's KVCacheManager is never built), so the
+        # output tokens are not hashed for it then: block_hashes keeps the prompt's blocks.
+        if self.connector is None:
+            request._block_hasher = None
+        else:
+            self.connector.on_new_request(request)
         if self.num_spec_tokens and self.spec_decode_metrics_level != "none":
             request.spec_decode_metrics = RequestSpecDecodeMetrics.new(self.num_spec_tokens)
         self.requests[rid] = request
@@ -545,7 +556,8 @@ class AtomScheduler(SchedulerInterface):
                         if not tracked.ever_scheduled:
                             tracked.ever_scheduled = True
                             if request.prefill_stats is not None:
-                                request.prefill_stats.set(request.num_prompt_tokens, start, 0)
+                                request.prefill_stats.set(request.num_prompt_tokens,
+                                                          *self._cached_at_admission(rid, start))
                             if self.log_stats:
                                 request.record_event(EngineCoreEventType.SCHEDULED)
                             new_reqs.append(NewRequestData.from_request(request, block_ids))
@@ -606,10 +618,19 @@ class AtomScheduler(SchedulerInterface):
             out.has_structured_output_requests = any(
                 request.use_structured_output and not request.is_prefill_chunk
                 for request in map(self.requests.get, row_req_ids) if request is not None)
+        if self._kv is not None:
+            self._kv.build_meta(out, self.core, lambda rid: self._tracked[rid].core_id)
         self.finished_req_ids = set()
         self._preempted_since_schedule = set()
         self._in_flight.append(_InFlight(out, batch, row_req_ids, drafts))
         return out
+
+    def _cached_at_admission(self, rid: str, start: int) -> tuple[int, int]:
+        """(local, external) cached tokens of a request's first admission, whose first row
+        starts at ``start``: vLLM's prefill stats."""
+        if self._kv is None:
+            return start, 0
+        return self._kv.cached_at_admission.pop(rid, (start, 0))
 
     def _add_output_placeholders(self, row_req_ids: list[str], cached_ids: list[str],
                                  cached_outputs: list[int], drafts: dict[str, list[int]]
@@ -697,18 +718,29 @@ class AtomScheduler(SchedulerInterface):
                              "scheduler returned and has not had back "
                              f"({len(self._in_flight)} outstanding)")
         step = self._in_flight.pop(0)
+        kv_output = (getattr(model_runner_output, "kv_connector_output", None)
+                     if self._kv is not None else None)
+        if kv_output is not None and kv_output.invalid_block_ids:
+            # Before the step's tokens apply: a row computed on KV that never arrived streams
+            # nothing.
+            self._fail_kv_loads(set(kv_output.invalid_block_ids))
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         for client_index, eco in self._pending_outputs:
             outputs[client_index].append(eco)
         self._pending_outputs = []
         if step.batch is not None:
             self._apply(step, scheduler_output, model_runner_output, outputs)
+        kv_connector_stats = None
+        if self._kv is not None:
+            kv_connector_stats = self._kv_transfers_done(kv_output)
+        events = []
         if self.enable_kv_cache_events:
             # This step's (and, before it, schedule()'s and a reset's) cache changes.
-            events = self.core.take_events()
-            if events:
-                self.kv_event_publisher.publish(
-                    KVEventBatch(ts=time.time(), events=to_vllm_events(events, self._lora_ids)))
+            events = to_vllm_events(self.core.take_events(), self._lora_ids)
+        if self.connector is not None:
+            events.extend(self.connector.take_events())
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
         result = {ci: EngineCoreOutputs(outputs=outs) for ci, outs in outputs.items()}
         if self.finished_req_ids_dict:
@@ -718,12 +750,43 @@ class AtomScheduler(SchedulerInterface):
                 else:
                     result[ci] = EngineCoreOutputs(finished_requests=finished)
             self.finished_req_ids_dict.clear()
-        stats = self.make_stats()
+        stats = self.make_stats(kv_connector_stats=kv_connector_stats)
         if stats is not None:
             if (eco := next(iter(result.values()), None)) is None:
                 result[0] = eco = EngineCoreOutputs()
             eco.scheduler_stats = stats
         return result
+
+    def _fail_kv_loads(self, invalid_block_ids: set[int]) -> None:
+        """vLLM's kv_load_failure_policy 'fail': a request holding a block whose KV failed to
+        load ends with an error."""
+        for rid, tracked in list(self._tracked.items()):
+            try:
+                blocks = self.core.request_state(tracked.core_id)["block_table"]
+            except KeyError:
+                continue
+            if invalid_block_ids.isdisjoint(blocks):
+                continue
+            self.core.abort_request(tracked.core_id)
+            self._end_unserved(tracked.request, RequestStatus.FINISHED_ERROR,
+                               "its KV failed to load (kv_load_failure_policy 'fail')")
+            self._free(rid)
+
+    def _kv_transfers_done(self, kv_output: Any) -> Any:
+        """The workers' connector output to the connector, their finished transfers to the
+        core (the blocks of a finished send are free; a request whose KV arrived is admitted
+        at the next schedule()); returns the step's KV connector stats (workers' and
+        scheduler's)."""
+        stats = None
+        if kv_output is not None:
+            self.connector.update_connector_output(kv_output)
+            self._kv.report(self.core, kv_output.finished_sending or (),
+                            kv_output.finished_recving or ())
+            stats = kv_output.kv_connector_stats
+        own = self.connector.get_kv_connector_stats()
+        if own is not None and not own.is_empty():
+            stats = stats.aggregate(own) if stats is not None else own
+        return stats
 
     def _runner_tokens(self, step: _InFlight, mro: Any) -> list[list[int] | None]:
         """Each row's tokens from the runner, None where it sampled none; raises for a row that
@@ -914,6 +977,8 @@ class AtomScheduler(SchedulerInterface):
             events=request.take_events() if request.events else None,
             prefill_stats=prefill_stats,
             spec_decode_metrics=request.spec_decode_metrics if finish_reason else None,
+            kv_transfer_params=(self._kv.take_params(rid)
+                                if finish_reason and self._kv is not None else None),
             trace_headers=request.trace_headers,
             num_nans_in_logits=nans.get(rid, 0) if nans else 0,
         ))
@@ -938,7 +1003,20 @@ class AtomScheduler(SchedulerInterface):
         return [self.requests[by_id[i]] for i in core_ids if i in by_id]
 
     def reset_connector_cache(self) -> bool:
-        return True  # no KV connector: nothing to reset (vLLM's answer without one)
+        if self.connector is None:
+            return True  # nothing to reset (vLLM's answer without a connector)
+        if self.connector.reset_cache() is False:
+            return False
+        self._kv.prefix_stats.reset = True
+        return True
+
+    def get_kv_connector(self) -> Any:
+        return self.connector
+
+    def has_requests(self) -> bool:
+        # A connector still pushing KV keeps the engine stepping (vLLM's rule).
+        return (self.has_unfinished_requests() or self.has_finished_requests()
+                or (self.connector is not None and self.connector.has_pending_push_work()))
 
     # ---- the rest of SchedulerInterface -----------------------------------------------------
 
@@ -994,7 +1072,9 @@ class AtomScheduler(SchedulerInterface):
     def has_finished_requests(self) -> bool:
         # Final outputs still to deliver count too: vLLM's engine steps (schedule, then
         # update_from_output) only while this or unfinished requests say so.
-        return len(self.finished_req_ids) > 0 or len(self._pending_outputs) > 0
+        # So do requests whose KV waits on a transfer report: the engine steps to collect it.
+        return (len(self.finished_req_ids) > 0 or len(self._pending_outputs) > 0
+                or (self._kv is not None and len(self._kv.awaiting_report) > 0))
 
     @property
     def pause_state(self) -> PauseState:
@@ -1016,7 +1096,7 @@ class AtomScheduler(SchedulerInterface):
             return False
         self.core.reset_prefix_cache()
         self._prefix_reset = True
-        return True
+        return self.reset_connector_cache() if reset_connector else True
 
     def reset_encoder_cache(self) -> None:
         pass  # multimodal models are refused: there is no encoder cache
@@ -1029,9 +1109,14 @@ class AtomScheduler(SchedulerInterface):
         usable = self.core.num_usable_blocks
         return 1.0 - self.core.num_free_blocks / usable if usable else 0.0
 
-    def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
+    def make_stats(self, *args: Any, kv_connector_stats: Any = None, **kwargs: Any
+                   ) -> SchedulerStats | None:
         if not self.log_stats:
             return None
+        connector_prefix_stats = None
+        if self._kv is not None:
+            connector_prefix_stats, self._kv.prefix_stats = (self._kv.prefix_stats,
+                                                             PrefixCacheStats())
         prefix_stats, self._prefix_stats = self._prefix_stats, PrefixCacheStats()
         prefix_stats.reset, self._prefix_reset = self._prefix_reset, False
         running, waiting = self.get_request_counts()
@@ -1041,7 +1126,9 @@ class AtomScheduler(SchedulerInterface):
             num_waiting_reqs=waiting,
             kv_cache_usage=self.get_kv_cache_usage(),
             prefix_cache_stats=prefix_stats,
+            connector_prefix_cache_stats=connector_prefix_stats,
             spec_decoding_stats=spec_stats,
+            kv_connector_stats=kv_connector_stats.to_dict() if kv_connector_stats else None,
         )
 
     def core_stats(self) -> dict[str, Any]:
@@ -1053,3 +1140,5 @@ class AtomScheduler(SchedulerInterface):
 
     def shutdown(self) -> None:
         self.kv_event_publisher.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()
