@@ -587,10 +587,6 @@ class AtomScheduler(SchedulerInterface):
                         self.requests[rid].spec_token_ids = []
                     self._drafted.difference_update(num_scheduled)
 
-        pending_grammar_tokens = False
-        if self.async_scheduling and row_req_ids:
-            pending_grammar_tokens = self._add_output_placeholders(
-                row_req_ids, cached_ids, cached_outputs, drafts)
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=CachedRequestData(
@@ -611,15 +607,18 @@ class AtomScheduler(SchedulerInterface):
             preempted_req_ids=self._preempted_since_schedule,
             # How many drafts the runner's drafter proposes after this step.
             num_spec_tokens_to_schedule=self.num_spec_tokens,
-            pending_structured_output_tokens=pending_grammar_tokens,
         )
+        if self._kv is not None:
+            # Before this step's output placeholders (vLLM's order).
+            self._kv.build_meta(out, self.core, lambda rid: self._tracked[rid].core_id)
+        if self.async_scheduling and row_req_ids:
+            out.pending_structured_output_tokens = self._add_output_placeholders(
+                row_req_ids, cached_ids, cached_outputs, drafts)
         if self._num_structured:
             # get_grammar_bitmask() then builds the bitmask of the rows that sample.
             out.has_structured_output_requests = any(
                 request.use_structured_output and not request.is_prefill_chunk
                 for request in map(self.requests.get, row_req_ids) if request is not None)
-        if self._kv is not None:
-            self._kv.build_meta(out, self.core, lambda rid: self._tracked[rid].core_id)
         self.finished_req_ids = set()
         self._preempted_since_schedule = set()
         self._in_flight.append(_InFlight(out, batch, row_req_ids, drafts))
@@ -720,10 +719,11 @@ class AtomScheduler(SchedulerInterface):
         step = self._in_flight.pop(0)
         kv_output = (getattr(model_runner_output, "kv_connector_output", None)
                      if self._kv is not None else None)
-        if kv_output is not None and kv_output.invalid_block_ids:
+        if kv_output is not None and (kv_output.invalid_block_ids or kv_output.failed_recving):
             # Before the step's tokens apply: a row computed on KV that never arrived streams
             # nothing.
-            self._fail_kv_loads(set(kv_output.invalid_block_ids))
+            self._fail_kv_loads(set(kv_output.invalid_block_ids),
+                                set(kv_output.failed_recving or ()))
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         for client_index, eco in self._pending_outputs:
             outputs[client_index].append(eco)
@@ -757,16 +757,17 @@ class AtomScheduler(SchedulerInterface):
             eco.scheduler_stats = stats
         return result
 
-    def _fail_kv_loads(self, invalid_block_ids: set[int]) -> None:
+    def _fail_kv_loads(self, invalid_block_ids: set[int], failed_ids: set[str]) -> None:
         """vLLM's kv_load_failure_policy 'fail': a request holding a block whose KV failed to
-        load ends with an error."""
+        load, or whose receive failed, ends with an error."""
         for rid, tracked in list(self._tracked.items()):
-            try:
-                blocks = self.core.request_state(tracked.core_id)["block_table"]
-            except KeyError:
-                continue
-            if invalid_block_ids.isdisjoint(blocks):
-                continue
+            if rid not in failed_ids:
+                try:
+                    blocks = self.core.request_state(tracked.core_id)["block_table"]
+                except KeyError:
+                    continue
+                if invalid_block_ids.isdisjoint(blocks):
+                    continue
             self.core.abort_request(tracked.core_id)
             self._end_unserved(tracked.request, RequestStatus.FINISHED_ERROR,
                                "its KV failed to load (kv_load_failure_policy 'fail')")

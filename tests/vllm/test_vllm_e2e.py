@@ -226,6 +226,27 @@ def test_lora_adapters_give_vllms_answers():
     assert ours["core_stats"]["num_finished"] == len(SAMPLING)
 
 
+def test_kv_connector_loads_and_stores_kv_as_with_vllms_scheduler(tmp_path):
+    """vLLM's ExampleConnector (a store of prompt KV in files) through the class: KV that
+    vLLM's scheduler stored is loaded (synchronously, during the admitting step) and gives the
+    same answers; KV the class stored is loaded by vLLM's scheduler and gives them too. Prefix
+    caching is off, so every hit is the connector's."""
+    llm = {"enable_prefix_caching": False, "max_model_len": 1024}
+    theirs_store, ours_store = str(tmp_path / "by_vllm"), str(tmp_path / "by_atom")
+    stored_by_vllm = run("vllm", llm, kv_store=theirs_store)
+    loaded_by_atom = run("atom", llm, kv_store=theirs_store)
+    stored_by_atom = run("atom", llm, kv_store=ours_store)
+    loaded_by_vllm = run("vllm", llm, kv_store=ours_store)
+    for ours, theirs in ((loaded_by_atom, stored_by_vllm), (stored_by_atom, loaded_by_vllm),
+                         (loaded_by_atom, loaded_by_vllm)):
+        _same_answers(ours, theirs)
+    # The prompts share their first 128-token block: every load is that block.
+    assert {o["num_cached_tokens"] for o in stored_by_vllm["outputs"]} == {0}
+    assert {o["num_cached_tokens"] for o in loaded_by_atom["outputs"]} == {128}
+    assert {o["num_cached_tokens"] for o in loaded_by_vllm["outputs"]} == {128}
+    assert os.listdir(ours_store)
+
+
 def test_abort_through_finish_requests():
     aborted = 3
     ours = run("atom", PREFIX_CHUNKED, scenario="abort", abort_after=6,
@@ -297,7 +318,10 @@ def test_accepts_a_plain_config_and_sizes_the_core_from_it():
     ({"speculative_config": SimpleNamespace(method="ngram",
                                             num_speculative_tokens_per_batch_size=[(1, 8, 2)]),
       "num_speculative_tokens": 2}, "vary with the batch size"),
-    ({"kv_transfer_config": object()}, "KV connectors"),
+    ({"kv_transfer_config": SimpleNamespace(kv_load_failure_policy="recompute")},
+     "kv_load_failure_policy='recompute'"),
+    ({"kv_transfer_config": SimpleNamespace(kv_load_failure_policy="fail"),
+      "scheduler_config__async_scheduling": True}, "KV connectors with async scheduling"),
     ({"ec_transfer_config": object()}, "encoder-cache connectors"),
     ({"model_config__runner_type": "pooling"}, "pooling models"),
     ({"model_config__is_multimodal_model": True}, "multimodal models"),
@@ -975,3 +999,118 @@ def test_random_streams_keep_every_invariant_against_a_stand_in_runner(seed):
     print(f"seed {seed}: {len(want)} requests, {len(aborted)} aborted, "
           f"{stats['num_preemptions']} preemptions, {stats['num_rejected']} rejected, "
           f"{stats['num_accepted_draft_tokens']}/{stats['num_draft_tokens']} drafts accepted")
+
+
+# ---- KV connectors (tests/vllm/scripted_kv.py; no model needed) ---------------------------------
+
+
+def _connector_scheduler(name: str = "ScriptedConnector"):
+    from scripted_kv import ScriptedConnector
+    from vllm.config import KVTransferConfig
+
+    from atom_sched.vllm import AtomScheduler
+
+    ScriptedConnector.script, ScriptedConnector.keep = {}, set()
+    cfg, kv = _config(
+        kv_transfer_config=KVTransferConfig(kv_connector=name,
+                                            kv_connector_module_path="scripted_kv",
+                                            kv_role="kv_both"),
+        scheduler_config__disable_hybrid_kv_cache_manager=True)
+    s = AtomScheduler(cfg, kv, None, block_size=16, log_stats=True)
+    return s, ScriptedConnector.last
+
+
+def _connector_step(s, runner, outputs, kv_output=None):
+    out = s.schedule()
+    mro = runner.step(out)
+    if kv_output is not None:
+        mro.kv_connector_output = kv_output
+    for eco in s.update_from_output(out, mro).values():
+        for o in eco.outputs:
+            outputs.setdefault(o.request_id, []).append(o)
+    s.core.check_invariants()
+    return out
+
+
+def test_kv_connector_external_tokens_against_a_stand_in_runner():
+    """The connector's answers through the class: a synchronous load (the row starts after
+    it, has_sync_kv_loads), "cannot tell yet" (skipped, asked again), an asynchronous load
+    (WAITING_FOR_REMOTE_KVS holding the loaded tokens' blocks, admitted once the workers report
+    it, from the loaded tokens), each allocation shown to the connector and its metadata."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import RequestStatus
+
+    s, conn = _connector_scheduler()
+    assert s.get_kv_connector() is conn
+    conn.script.update({"sync": (32, False), "later": None, "async": (32, True)})
+    for rid in ("sync", "later", "async"):
+        s.add_request(make_request(rid, 40, 2))
+    runner, outputs = StandInRunner(16), {}
+    out = _connector_step(s, runner, outputs)
+    assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("sync", 32)]
+    assert out.num_scheduled_tokens == {"sync": 8} and out.has_sync_kv_loads
+    assert isinstance(out.kv_connector_metadata, KVConnectorMetadata)
+    assert [(rid, len(ids), n) for rid, ids, n in out.kv_connector_metadata.allocs] == [
+        ("sync", 3, 32), ("async", 2, 32)]
+    assert s.requests["async"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert s.get_request_counts() == (1, 2)
+    out = _connector_step(s, runner, outputs)  # "later" is asked again: nothing external
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["later"]
+    assert not out.has_sync_kv_loads
+    assert [c[1] for c in conn.calls if c[0] == "match"] == ["sync", "later", "async", "later"]
+    _connector_step(s, runner, outputs, KVConnectorOutput(finished_recving={"async"}))
+    out = _connector_step(s, runner, outputs)
+    assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("async", 32)]
+    for _ in range(10):
+        if not s.has_requests():
+            break
+        _connector_step(s, runner, outputs)
+    assert {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in outputs.items()} \
+        == {"sync": [7, 7], "later": [7, 7], "async": [7, 7]}
+    assert s.get_kv_cache_usage() == 0.0
+
+
+def test_kv_connector_delayed_free_reports_and_load_failures():
+    """A send keeps the request's blocks until the workers report it (the engine keeps
+    stepping meanwhile), its kv_transfer_params come with its final output; a report naming an
+    id nothing waits on is dropped; a failed load ends its request with an error, nothing
+    streamed."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    s, conn = _connector_scheduler()
+    conn.keep.add("send")
+    conn.script["bad"] = (32, False)
+    s.add_request(make_request("send", 20, 1))
+    s.add_request(make_request("bad", 40, 4))
+    runner, outputs = StandInRunner(16), {}
+    out = s.schedule()
+    bad_blocks = out.scheduled_new_reqs[1].block_ids[0]
+    mro = runner.step(out)
+    mro.kv_connector_output = KVConnectorOutput(invalid_block_ids={bad_blocks[0]})
+    for eco in s.update_from_output(out, mro).values():
+        for o in eco.outputs:
+            outputs.setdefault(o.request_id, []).append(o)
+    s.core.check_invariants()
+    (bad,) = outputs["bad"]
+    assert bad.new_token_ids == [] and str(bad.finish_reason) == "error"
+    (send,) = outputs["send"]
+    assert send.new_token_ids == [7] and str(send.finish_reason) == "length"
+    assert send.kv_transfer_params == {"sent_by": "scripted", "request": "send"}
+    assert ("finished", "send", [out.scheduled_new_reqs[0].block_ids[0][0],
+                                 out.scheduled_new_reqs[0].block_ids[0][1]]) in conn.calls
+    # Finished, its blocks kept for the send: the engine goes on stepping.
+    assert s.get_num_unfinished_requests() == 0 and s.has_requests()
+    assert s.get_kv_cache_usage() > 0.0
+    _connector_step(s, runner, outputs, KVConnectorOutput(finished_sending={"nobody"}))
+    assert s.has_requests()
+    _connector_step(s, runner, outputs, KVConnectorOutput(finished_sending={"send"}))
+    assert not s.has_requests() and s.get_kv_cache_usage() == 0.0
+    assert len(conn.outputs) == 3
+
+
+def test_a_connector_that_takes_vllms_block_pool_is_refused():
+    from atom_sched.vllm import UnsupportedFeature
+
+    with pytest.raises(UnsupportedFeature, match="PoolConnector .*GPU block pool"):
+        _connector_scheduler("PoolConnector")

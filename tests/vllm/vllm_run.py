@@ -131,6 +131,14 @@ def main() -> None:
         llm_args["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=free_tcp_endpoint(),
             replay_endpoint=replay, topic="kv")
+    if cfg.get("kv_store"):
+        # vLLM's ExampleConnector: each prompt's KV (whole blocks, all but its last token) saved
+        # to files in this folder, and loaded from there by any engine that sees it again.
+        from vllm.config import KVTransferConfig
+
+        llm_args["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": cfg["kv_store"]})
     llm = LLM(model=path, enforce_eager=True, dtype="float32", scheduler_cls=sched_cls,
               disable_log_stats=False, **llm_args)
     sched = scheduler_of(llm)
