@@ -665,13 +665,25 @@ class AtomScheduler(SchedulerInterface):
         return {row_req_ids[r]: d[:n_sched[r] - 1] for r, d in zip(rows, table, strict=True)}
 
     def _take_rejected(self) -> None:
-        """Requests the core refused (a prompt it can never hold): FINISHED_IGNORED, as vLLM."""
+        """Requests the core refused: a prompt it can never hold is FINISHED_IGNORED, as vLLM;
+        one whose KV-connector call failed is FINISHED_ERROR (vLLM's scheduler would raise in
+        its engine loop)."""
         for rej in self.core.take_rejected():
             rid = self._by_core_id.get(int(rej.request_id))
             if rid is not None:
-                self._end_unserved(self.requests[rid], RequestStatus.FINISHED_IGNORED,
-                                   rej.reason)
+                status = (RequestStatus.FINISHED_ERROR
+                          if rej.reason.startswith("kv connector error")
+                          else RequestStatus.FINISHED_IGNORED)
+                self._end_unserved(self.requests[rid], status, rej.reason)
                 self._free(rid)
+        if self._kv is not None:
+            self._log_connector_errors()
+
+    def _log_connector_errors(self) -> None:
+        """Every failed connector call, a request rejected for it or not (a failing
+        request_finished frees the request's blocks at once, its transfer given up)."""
+        for error in self.core.take_connector_errors():
+            logger.error("KV connector call failed: %s", error)
 
     def _end_unserved(self, request: Request, status: RequestStatus, why: str) -> None:
         """Ends a request that gets no token: its final output (no tokens, the status's finish
@@ -733,6 +745,7 @@ class AtomScheduler(SchedulerInterface):
         kv_connector_stats = None
         if self._kv is not None:
             kv_connector_stats = self._kv_transfers_done(kv_output)
+            self._log_connector_errors()
         events = []
         if self.enable_kv_cache_events:
             # This step's (and, before it, schedule()'s and a reset's) cache changes.

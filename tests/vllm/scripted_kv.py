@@ -3,8 +3,9 @@ test needs to drive the class's connector protocol without a transfer engine. vL
 ``KVTransferConfig(kv_connector="ScriptedConnector", kv_connector_module_path="scripted_kv")``.
 
 ``ScriptedConnector.script[request_id]``: what get_num_new_matched_tokens answers for it, once
-(``(tokens, load_async)``, or ``None`` for "cannot tell yet"); nothing scripted: ``(0, False)``.
-``ScriptedConnector.keep[request_id]``: request_finished keeps its blocks for a send.
+(``(tokens, load_async)``, ``None`` for "cannot tell yet", or an exception to raise); nothing
+scripted: ``(0, False)``. ``ScriptedConnector.keep``: ids whose blocks request_finished keeps for
+a send; ``ScriptedConnector.fail_finish``: ids whose request_finished raises.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class ScriptedMetadata(KVConnectorMetadata):
 class ScriptedConnector(KVConnectorBase_V1):
     script: dict[str, Any] = {}
     keep: set[str] = set()
+    fail_finish: set[str] = set()
     last: ScriptedConnector | None = None
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
@@ -45,6 +47,8 @@ class ScriptedConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         self.calls.append(("match", request.request_id, num_computed_tokens))
         answer = self.script.pop(request.request_id, (0, False))
+        if isinstance(answer, Exception):
+            raise answer
         return (None, False) if answer is None else answer
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
@@ -61,6 +65,8 @@ class ScriptedConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
         rid = request.request_id
         self.calls.append(("finished", rid, list(block_ids)))
+        if rid in self.fail_finish:
+            raise RuntimeError("transfer engine gone")
         return rid in self.keep, {"sent_by": "scripted", "request": rid}
 
     def update_connector_output(self, connector_output: Any) -> None:

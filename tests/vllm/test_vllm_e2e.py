@@ -1011,6 +1011,7 @@ def _connector_scheduler(name: str = "ScriptedConnector"):
     from atom_sched.vllm import AtomScheduler
 
     ScriptedConnector.script, ScriptedConnector.keep = {}, set()
+    ScriptedConnector.fail_finish = set()
     cfg, kv = _config(
         kv_transfer_config=KVTransferConfig(kv_connector=name,
                                             kv_connector_module_path="scripted_kv",
@@ -1107,6 +1108,31 @@ def test_kv_connector_delayed_free_reports_and_load_failures():
     _connector_step(s, runner, outputs, KVConnectorOutput(finished_sending={"send"}))
     assert not s.has_requests() and s.get_kv_cache_usage() == 0.0
     assert len(conn.outputs) == 3
+
+
+def test_a_failing_connector_costs_only_its_request(caplog):
+    """A connector that raises (or claims more tokens than a request has) ends that request with
+    an error at admission; one whose request_finished raises frees the blocks at once (nothing
+    held for a send). The others are served; every failure is logged."""
+    s, conn = _connector_scheduler()
+    conn.script.update({"boom": RuntimeError("store down"), "greedy": (41, False)})
+    conn.fail_finish.add("fin")
+    conn.keep.add("fin")
+    for rid in ("boom", "greedy", "fin", "fine"):
+        s.add_request(make_request(rid, 40, 2))
+    runner, outputs = StandInRunner(16), {}
+    for _ in range(10):
+        if not s.has_requests():
+            break
+        _connector_step(s, runner, outputs)
+    ends = {rid: (str(outs[-1].finish_reason), [t for o in outs for t in o.new_token_ids])
+            for rid, outs in outputs.items()}
+    assert ends == {"boom": ("error", []), "greedy": ("error", []), "fin": ("length", [7, 7]),
+                    "fine": ("length", [7, 7])}
+    assert s.get_kv_cache_usage() == 0.0 and not s.has_requests()
+    logged = caplog.text
+    assert "store down" in logged and "claims 41 tokens" in logged
+    assert "transfer engine gone" in logged
 
 
 def test_a_connector_that_takes_vllms_block_pool_is_refused():
