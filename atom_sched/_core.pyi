@@ -48,6 +48,7 @@ class SchedulerConfig:
     sjf_aging_rate: float
     admission_watermark_blocks: int
     tenant_weights: dict[str, float]
+    fence_freed_blocks: bool
     def __init__(
         self,
         num_blocks: int,
@@ -74,6 +75,7 @@ class SchedulerConfig:
         sjf_aging_rate: float = 100.0,
         admission_watermark_blocks: int = 0,
         tenant_weights: Mapping[str, float] = ...,
+        fence_freed_blocks: bool = False,
     ) -> None: ...
     def validate(self) -> None: ...
     @property

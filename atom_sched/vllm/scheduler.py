@@ -169,9 +169,19 @@ class AtomScheduler(SchedulerInterface):
             policy="mixed",
             long_prefill_token_threshold=threshold,
             enable_kv_events=self.enable_kv_cache_events,
+            # With a step in flight a connector's load into a reused block could race the
+            # step's writes: freed blocks wait for it (vLLM's defer_block_free).
+            fence_freed_blocks=self.connector is not None and self.async_scheduling,
             **policies,
         )
         self.core = atom_sched.Scheduler(self.core_config)
+        if self.connector is not None and self.async_scheduling \
+                and self.connector.requires_kv_delivery:
+            self.connector.shutdown()
+            raise _refuse("a KV connector that hands KV off (a producer: requires_kv_delivery) "
+                          "with async scheduling (a request preempted with output in flight "
+                          "could finish and hand off blocks it no longer holds)",
+                          "pass --no-async-scheduling, or use the connector as a consumer.")
         if self.connector is not None:
             self._kv = VllmConnectorBridge(
                 self.connector, block_size,
@@ -290,10 +300,6 @@ class AtomScheduler(SchedulerInterface):
         if getattr(sc, "async_scheduling", False) and spec is not None:
             raise _refuse("speculative decoding with async scheduling (the drafts' handover "
                           "in the worker)", "pass --no-async-scheduling.")
-        if getattr(sc, "async_scheduling", False) and kv_transfer is not None:
-            raise _refuse("KV connectors with async scheduling (a freed block may still be "
-                          "written by the step in flight when a load refills it)",
-                          "pass --no-async-scheduling.")
         if str(sc.policy) not in ("fcfs", "priority"):
             raise _refuse(f"the scheduling policy {sc.policy!r}", "use fcfs or priority.")
         if getattr(vllm_config, "diffusion_config", None) is not None:

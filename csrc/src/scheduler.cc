@@ -919,7 +919,13 @@ void Scheduler::release_kv(Request& r, bool keep_blocks) {
   // Blocks and slots may still be written by a batch in flight; they are handed out again only to
   // batches scheduled later, which run after it on the engine's stream.
   if (!keep_blocks) {
-    pool_.free(r.block_table);
+    if (config_.fence_freed_blocks && num_outstanding_ > 0) {
+      const int32_t newest = (next_buffer_ - 1 + kMaxOutstandingBatches) % kMaxOutstandingBatches;
+      auto& fenced = fenced_blocks_[newest];
+      fenced.insert(fenced.end(), r.block_table.begin(), r.block_table.end());
+    } else {
+      pool_.free(r.block_table);
+    }
     r.block_table.clear();
     r.table_changed();
   }

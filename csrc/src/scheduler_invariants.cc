@@ -20,6 +20,18 @@ void Scheduler::check_invariants() const {
   const int32_t bs = config_.block_size;
   std::vector<int32_t> refs(pool_.num_blocks(), 0);
   std::vector<int32_t> inflight(requests_.size(), 0);
+  // Fenced blocks are held (once each) until their batch is updated; only outstanding batches
+  // fence any.
+  for (int32_t buffer = 0; buffer < kMaxOutstandingBatches; ++buffer) {
+    const int32_t age = (next_buffer_ - 1 - buffer + 2 * kMaxOutstandingBatches) %
+                        kMaxOutstandingBatches;  // 0: the newest batch's buffer
+    check(age < num_outstanding_ || fenced_blocks_[buffer].empty(),
+          "blocks fenced by a batch that is not outstanding");
+    for (int32_t blk : fenced_blocks_[buffer]) {
+      check(blk > kNullBlock && blk < pool_.num_blocks(), "a fenced block id is out of range");
+      ++refs[blk];
+    }
+  }
   for (int32_t i = 0; i < num_outstanding_; ++i) {
     const int32_t buffer =
         (next_buffer_ - num_outstanding_ + i + kMaxOutstandingBatches) % kMaxOutstandingBatches;

@@ -663,6 +663,10 @@ const StepOutput& Scheduler::update(uint64_t batch_id, const ModelOutputs& out) 
   so.wants_logprobs.resize(cursor.entries);
   squeeze_running();
   --num_outstanding_;
+  if (!fenced_blocks_[oldest].empty()) {  // no batch in flight can write them any more
+    pool_.free(fenced_blocks_[oldest]);
+    fenced_blocks_[oldest].clear();
+  }
   return step_output_;
 }
 

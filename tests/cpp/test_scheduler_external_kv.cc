@@ -191,3 +191,32 @@ TEST(ExternalKvTest, ImpossibleAnswersAreConnectorErrors) {
 
 }  // namespace
 }  // namespace atom_sched
+
+namespace atom_sched {
+namespace {
+
+// fence_freed_blocks: a request that finishes (or is preempted) while a later batch is in flight
+// keeps its blocks out of the pool until that batch is updated; without it they return at once.
+TEST(FencedFreeTest, BlocksFreedWithABatchInFlightWaitForIt) {
+  for (bool fence : {false, true}) {
+    SCOPED_TRACE(fence ? "fenced" : "not fenced");
+    SchedulerConfig c = Cfg(16);
+    c.fence_freed_blocks = fence;
+    H h(c);
+    h.add(0, Seq(1, 6), P(1));
+    auto b1 = h.sched();
+    ASSERT_TRUE(b1);
+    h.add(1, Seq(10, 6), P(4));
+    auto b2 = h.sched();  // one step ahead: request 1's prefill while request 0's output flies
+    ASSERT_TRUE(b2);
+    EXPECT_EQ(h.s.block_pool().num_free_blocks(), 12);
+    auto o = h.upd(*b1, {9});
+    EXPECT_EQ(o.why(0), "max_tokens");
+    EXPECT_EQ(h.s.block_pool().num_free_blocks(), fence ? 12 : 14);
+    h.upd(*b2, V(static_cast<size_t>(b2->num_rows), 5));
+    EXPECT_EQ(h.s.block_pool().num_free_blocks(), 14);
+  }
+}
+
+}  // namespace
+}  // namespace atom_sched

@@ -320,8 +320,6 @@ def test_accepts_a_plain_config_and_sizes_the_core_from_it():
       "num_speculative_tokens": 2}, "vary with the batch size"),
     ({"kv_transfer_config": SimpleNamespace(kv_load_failure_policy="recompute")},
      "kv_load_failure_policy='recompute'"),
-    ({"kv_transfer_config": SimpleNamespace(kv_load_failure_policy="fail"),
-      "scheduler_config__async_scheduling": True}, "KV connectors with async scheduling"),
     ({"ec_transfer_config": object()}, "encoder-cache connectors"),
     ({"model_config__runner_type": "pooling"}, "pooling models"),
     ({"model_config__is_multimodal_model": True}, "multimodal models"),
@@ -1004,7 +1002,7 @@ def test_random_streams_keep_every_invariant_against_a_stand_in_runner(seed):
 # ---- KV connectors (tests/vllm/scripted_kv.py; no model needed) ---------------------------------
 
 
-def _connector_scheduler(name: str = "ScriptedConnector"):
+def _connector_scheduler(name: str = "ScriptedConnector", role: str = "kv_both", **over):
     from scripted_kv import ScriptedConnector
     from vllm.config import KVTransferConfig
 
@@ -1015,8 +1013,8 @@ def _connector_scheduler(name: str = "ScriptedConnector"):
     cfg, kv = _config(
         kv_transfer_config=KVTransferConfig(kv_connector=name,
                                             kv_connector_module_path="scripted_kv",
-                                            kv_role="kv_both"),
-        scheduler_config__disable_hybrid_kv_cache_manager=True)
+                                            kv_role=role),
+        scheduler_config__disable_hybrid_kv_cache_manager=True, **over)
     s = AtomScheduler(cfg, kv, None, block_size=16, log_stats=True)
     return s, ScriptedConnector.last
 
@@ -1133,6 +1131,49 @@ def test_a_failing_connector_costs_only_its_request(caplog):
     logged = caplog.text
     assert "store down" in logged and "claims 41 tokens" in logged
     assert "transfer engine gone" in logged
+
+
+def test_a_consumer_connector_with_async_scheduling_against_a_stand_in_runner():
+    """Async scheduling with a consumer connector: blocks freed while a step is in flight wait
+    for it (the core's fence_freed_blocks), an asynchronous load lands between two steps in
+    flight, every answer is whole. A producer (it hands KV off) is refused with async
+    scheduling."""
+    from collections import deque
+
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import RequestStatus
+
+    from atom_sched.vllm import UnsupportedFeature
+
+    with pytest.raises(UnsupportedFeature, match="hands KV off"):
+        _connector_scheduler(role="kv_both", scheduler_config__async_scheduling=True)
+    s, conn = _connector_scheduler(role="kv_consumer", scheduler_config__async_scheduling=True)
+    assert s.async_scheduling and s.core_config.fence_freed_blocks
+    conn.script.update({"async": (32, True), "sync": (16, False)})
+    max_tokens = {"async": 4, "sync": 5, "plain": 3}
+    for rid, n in max_tokens.items():
+        s.add_request(make_request(rid, 40, n))
+    runner, queue, recv_sent = StandInRunner(16), deque(), False
+    got = {rid: [] for rid in max_tokens}
+    for _ in range(60):
+        if not (s.has_requests() or queue):
+            break
+        if len(queue) < 2 and s.has_requests():
+            out = s.schedule()
+            queue.append(out)
+            if out.total_num_scheduled_tokens:
+                continue
+        out = queue.popleft()
+        mro = runner.step(out)
+        if not recv_sent and s.requests["async"].status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            mro.kv_connector_output = KVConnectorOutput(finished_recving={"async"})
+            recv_sent = True
+        for eco in s.update_from_output(out, mro).values():
+            for o in eco.outputs:
+                got[o.request_id] += o.new_token_ids
+        s.core.check_invariants()
+    assert recv_sent and got == {rid: [7] * n for rid, n in max_tokens.items()}
+    assert not s.requests and s.get_kv_cache_usage() == 0.0
 
 
 def test_a_connector_that_takes_vllms_block_pool_is_refused():

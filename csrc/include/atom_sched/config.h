@@ -65,6 +65,11 @@ struct SchedulerConfig {
   // request runs: with none running, a request that fits is admitted (it could wait forever
   // otherwise). 0: ATOM's rule, admitted when it fits.
   int32_t admission_watermark_blocks = 0;
+  // Blocks freed (a finish, an abort, a preemption) while batches are outstanding return to the
+  // pool only once those batches are updated, instead of at once. Batches scheduled later run
+  // after them on the engine's stream, so reuse is safe without it; a KV connector that loads
+  // into reused blocks outside that order (asynchronously) is not (vLLM's defer_block_free).
+  bool fence_freed_blocks = false;
   // kFairShare: each tenant's weight (finite, > 0); a tenant not listed weighs 1. Names are at
   // most kMaxExtraKeyBytes bytes.
   std::map<std::string, double> tenant_weights;

@@ -540,6 +540,9 @@ class Scheduler {
   // Running requests whose prefill is not fully scheduled yet, in running order (few).
   std::vector<int32_t> partial_;
   std::vector<int32_t> admission_skipped_;  // schedule_prefills(): connector said retry_later
+  // fence_freed_blocks: blocks freed while batches were outstanding, held until the batch in
+  // this buffer (the newest outstanding one at their free) is updated.
+  std::array<std::vector<int32_t>, kMaxOutstandingBatches> fenced_blocks_;
   std::vector<int32_t> victim_refs_;  // [num_blocks], 0 between calls: preemption_can_free()
   uint64_t next_epoch_ = 1;
   uint64_t next_arrival_seq_ = 0;
