@@ -59,7 +59,7 @@ __all__ = ["AtomScheduler", "UnsupportedFeature"]
 # Speculative methods whose drafts come from the request's own tokens, proposed by the model
 # runner after sampling: they need no KV past the verified tokens (vLLM's lookahead slots) and no
 # draft model. The core verifies at most this many drafts a row.
-_DRAFT_METHODS = ("ngram",)
+_DRAFT_METHODS = ("ngram", "ngram_gpu")
 _MAX_DRAFTS = 8
 
 # The core's finish reasons (docs/api.md "Outputs and stop conditions") as vLLM statuses.
@@ -297,9 +297,6 @@ class AtomScheduler(SchedulerInterface):
             if getattr(pc, name, 1) > 1:
                 raise _refuse(f"context parallelism ({name})", f"use {name}=1.")
         sc = vllm_config.scheduler_config
-        if getattr(sc, "async_scheduling", False) and spec is not None:
-            raise _refuse("speculative decoding with async scheduling (the drafts' handover "
-                          "in the worker)", "pass --no-async-scheduling.")
         if str(sc.policy) not in ("fcfs", "priority"):
             raise _refuse(f"the scheduling policy {sc.policy!r}", "use fcfs or priority.")
         if getattr(vllm_config, "diffusion_config", None) is not None:
@@ -867,6 +864,10 @@ class AtomScheduler(SchedulerInterface):
                 if tracked is not None:
                     request = tracked.request
                     request.num_computed_tokens -= len(drafts) - num_accepted
+                    if request.num_output_placeholders:
+                        # Async scheduling: the placeholders covered the rejected drafts too.
+                        request.num_output_placeholders = max(
+                            0, request.num_output_placeholders - (len(drafts) - num_accepted))
                     if request.spec_decode_metrics is not None:
                         request.spec_decode_metrics.observe(
                             num_draft_tokens=num_proposed, num_accepted=num_accepted,
@@ -1084,7 +1085,31 @@ class AtomScheduler(SchedulerInterface):
 
     def update_draft_token_ids_in_output(self, draft_token_ids: Any,
                                          scheduler_output: SchedulerOutput) -> None:
-        raise _refuse("speculative decoding", "no draft tokens are expected.")
+        """Async scheduling: the drafts the runner proposed for a step already scheduled with
+        placeholders, given only for the grammar bitmask of a structured-output step (vLLM's
+        engine defers that step's sampling). As vLLM's scheduler: each request's drafts cut to
+        the placeholders it was scheduled with, then to what its grammar allows, padded with -1
+        (counted in num_invalid_spec_tokens, not in the stats)."""
+        if not self.num_spec_tokens:
+            raise _refuse("draft tokens without speculative decoding",
+                          "no draft tokens are expected.")
+        scheduled = scheduler_output.scheduled_spec_decode_tokens
+        invalid: dict[str, int] = {}
+        for rid, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids,
+                               strict=True):
+            request = self.requests.get(rid)
+            placeholders = scheduled.get(rid)
+            if request is None or request.is_finished() or not placeholders:
+                continue
+            drafts = list(drafts)[:len(placeholders)]
+            if request.use_structured_output:
+                drafts = self.structured_output_manager.validate_tokens(request, drafts)
+            num_invalid = len(placeholders) - len(drafts)
+            if num_invalid:
+                drafts.extend([-1] * num_invalid)
+                invalid[rid] = num_invalid
+            scheduled[rid] = drafts
+        scheduler_output.num_invalid_spec_tokens = invalid
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

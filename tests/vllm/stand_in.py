@@ -22,7 +22,8 @@ class StandInRunner:
     resume; dropped when finished. ``step(scheduler_output)`` returns the ``ModelRunnerOutput``."""
 
     def __init__(self, block_size: int, token: int = 7,
-                 drafter: Callable[[str], list[int]] | None = None) -> None:
+                 drafter: Callable[[str], list[int]] | None = None,
+                 drafts_on_device: bool = False) -> None:
         self.block_size = block_size
         self.token = token
         self.blocks: dict[str, list[int]] = {}
@@ -32,6 +33,11 @@ class StandInRunner:
         # proposes the next drafts of every request that sampled (take_draft_token_ids()).
         self.drafter = drafter
         self.sampled_ids: list[str] = []
+        # Async scheduling's drafts (ngram_gpu, EAGLE...): the runner keeps what `drafter`
+        # proposed after a request's last sample and verifies those where the scheduler put
+        # placeholders (-1); missing ones are never accepted.
+        self.drafts_on_device = drafts_on_device
+        self.device_drafts: dict[str, list[int]] = {}
 
     def step(self, out: Any, token: int | None = None) -> Any:
         from vllm.v1.outputs import ModelRunnerOutput
@@ -62,6 +68,10 @@ class StandInRunner:
             assert len(blocks) * self.block_size >= end, "positions without a block"
             req_ids.append(rid)
             drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+            if self.drafts_on_device and drafts:
+                assert all(d == -1 for d in drafts), "async scheduling sends placeholders"
+                own = self.device_drafts.get(rid, [])[:len(drafts)]
+                drafts = own + [-1] * (len(drafts) - len(own))
             if end - len(drafts) >= self.tokens[rid]:
                 accepted = next((i for i, d in enumerate(drafts) if d != token), len(drafts))
                 sampled.append([token] * (accepted + 1))
@@ -69,6 +79,9 @@ class StandInRunner:
             else:
                 sampled.append([])
         self.sampled_ids = [rid for rid, toks in zip(req_ids, sampled, strict=True) if toks]
+        if self.drafts_on_device:
+            for rid in self.sampled_ids:
+                self.device_drafts[rid] = self.drafter(rid)
         return ModelRunnerOutput(req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled)

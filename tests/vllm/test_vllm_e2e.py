@@ -781,8 +781,8 @@ def test_a_bad_tenant_counts_against_the_default_tenant(bad):
 def _spec_scheduler(k: int = 2, **over):
     from atom_sched.vllm import AtomScheduler
 
-    cfg, kv = _config(speculative_config=SimpleNamespace(method="ngram"),
-                      num_speculative_tokens=k, **over)
+    over.setdefault("speculative_config", SimpleNamespace(method="ngram"))
+    cfg, kv = _config(num_speculative_tokens=k, **over)
     return AtomScheduler(cfg, kv, None, block_size=16, log_stats=True)
 
 
@@ -829,6 +829,54 @@ def test_drafts_are_verified_rolled_back_and_counted_against_a_stand_in_runner()
     # a: 1 (prefill) + 3 + 3 + 1 (its third row's 3 truncated): drafts 2 x 3, accepted 2 x 3.
     # b: 1 + 2 + 2 + 2 + 1 (its fourth row's 2 truncated): drafts 2 x 4, accepted 1 x 4.
     assert (drafted, accepted) == (6 + 8, 6 + 4)
+
+
+def test_async_scheduling_with_drafts_on_the_device_against_a_stand_in_runner():
+    """ngram_gpu with async scheduling (vLLM's AsyncScheduler with a drafter on the device): a
+    decode row is scheduled one step ahead with K placeholder drafts (-1), the runner verifies
+    its own; accepted ones come back as tokens, rejected ones roll the request's computed count
+    and output placeholders back. Every request stops at max_tokens exactly; the stats count
+    every placeholder scheduled against a sampled row as proposed (vLLM's rule)."""
+    from collections import deque
+
+    s = _spec_scheduler(scheduler_config__async_scheduling=True,
+                        speculative_config=SimpleNamespace(method="ngram_gpu"))
+    assert s.async_scheduling
+    plan = {"a": [7, 7], "b": [7, 9], "c": []}
+    runner = StandInRunner(16, drafter=lambda rid: plan[rid], drafts_on_device=True)
+    for rid in plan:
+        s.add_request(make_request(rid, 14, 8))
+    got, queue = {rid: [] for rid in plan}, deque()
+    drafted = accepted = 0
+    for _ in range(60):
+        if not (s.has_requests() or queue):
+            break
+        if len(queue) < 2 and s.has_requests():
+            out = s.schedule()
+            for rid, drafts in out.scheduled_spec_decode_tokens.items():
+                assert set(drafts) == {-1}
+            queue.append(out)
+            if out.total_num_scheduled_tokens:
+                continue
+        out = queue.popleft()
+        for eco in s.update_from_output(out, runner.step(out)).values():
+            for o in eco.outputs:
+                got[o.request_id] += o.new_token_ids
+            if (st := eco.scheduler_stats.spec_decoding_stats) is not None:
+                drafted += st.num_draft_tokens
+                accepted += st.num_accepted_tokens
+        s.core.check_invariants()
+        for rid, request in s.requests.items():
+            # One placeholder per token the steps in flight may still bring (every row here
+            # samples: the prompts are one chunk).
+            assert request.num_output_placeholders == sum(
+                1 + len(o.scheduled_spec_decode_tokens.get(rid, ()))
+                for o in queue if rid in o.num_scheduled_tokens)
+    assert got == {rid: [7] * 8 for rid in plan}
+    assert not s.requests and s.get_kv_cache_usage() == 0.0
+    core = s.core_stats()
+    assert (core["num_draft_tokens"], core["num_accepted_draft_tokens"]) == (drafted, accepted)
+    assert accepted > 0 and drafted > accepted
 
 
 def test_draft_handover_drops_what_cannot_be_verified():
