@@ -853,7 +853,7 @@ def test_async_scheduling_with_drafts_on_the_device_against_a_stand_in_runner():
             break
         if len(queue) < 2 and s.has_requests():
             out = s.schedule()
-            for rid, drafts in out.scheduled_spec_decode_tokens.items():
+            for drafts in out.scheduled_spec_decode_tokens.values():
                 assert set(drafts) == {-1}
             queue.append(out)
             if out.total_num_scheduled_tokens:
