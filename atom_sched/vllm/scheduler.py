@@ -484,15 +484,16 @@ class AtomScheduler(SchedulerInterface):
             self._admit_held()
         batch = None
         if self._pause_state != PauseState.PAUSED_ALL:
-            # PAUSED_NEW: no prefill at all (the core has no "running prefills only" switch).
+            # PAUSED_NEW: nothing admitted from waiting; running requests go on (prompt chunks
+            # too) and those whose connector KV has arrived join them (vLLM's rule).
             # throttle_prefills (vLLM's DP prefill balancing): no prefill compute this step, new
             # or a running request's next chunk, while a running request decodes, unless the
             # last step that admitted prefills could not drain the waiting queue.
             defer = (throttle_prefills and not self.prefill_capacity_bound
                      and any(not r.is_prefill_chunk for r in self.running))
-            allow_prefill = self._pause_state == PauseState.UNPAUSED and not defer
-            batch = self.core.schedule(allow_prefill=allow_prefill)
-            if allow_prefill:
+            admit = self._pause_state == PauseState.UNPAUSED
+            batch = self.core.schedule(allow_prefill=not defer, admit_waiting=admit)
+            if admit and not defer:
                 self.prefill_capacity_bound = self.core.num_waiting > 0
         self._take_rejected()
         self._note_preemptions()
@@ -1112,7 +1113,15 @@ class AtomScheduler(SchedulerInterface):
         scheduler_output.num_invalid_spec_tokens = invalid
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
+        # vLLM's rule while paused: PAUSED_ALL runs nothing, PAUSED_NEW drains the running
+        # requests and those holding KV blocks for a load; the queued ones wait for the resume.
+        if self._pause_state == PauseState.UNPAUSED:
+            return len(self.requests)
+        if self._pause_state == PauseState.PAUSED_ALL:
+            return 0
+        loading = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                      for r in self.requests.values())
+        return int(self.core.num_running) + loading
 
     def has_finished_requests(self) -> bool:
         # Final outputs still to deliver count too: vLLM's engine steps (schedule, then

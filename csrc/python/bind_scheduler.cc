@@ -214,7 +214,8 @@ py::object add_request(SchedulerHandle& h, int64_t request_id, py::handle prompt
   return py::none();
 }
 
-py::object schedule(const Handle& h, bool allow_prefill, std::optional<double> now) {
+py::object schedule(const Handle& h, bool allow_prefill, std::optional<double> now,
+                    bool admit_waiting) {
   const double t = now ? *now : monotonic_seconds();
   // Small: a decode step of a few rows, with no prompt to admit or chunk.
   const auto small = [](const Scheduler& c) {
@@ -224,7 +225,8 @@ py::object schedule(const Handle& h, bool allow_prefill, std::optional<double> n
   // A connector interrupt waits for the next call if this one returns a batch (already counted
   // as outstanding: raising would lose it), else it is raised now.
   const Batch* b = with_core(
-      *h, [&](Scheduler& c) { return c.schedule(t, allow_prefill); }, OnInterrupt::kDefer, small);
+      *h, [&](Scheduler& c) { return c.schedule(t, allow_prefill, admit_waiting); },
+      OnInterrupt::kDefer, small);
   if (b == nullptr) {
     raise_deferred_interrupt(*h);
     return py::none();
@@ -631,7 +633,8 @@ void bind_scheduler(py::module_& m) {
           "request_id"_a, "draft_token_ids"_a,
           "Give a decoding request (nothing in flight) the drafts proposed after its last "
           "update; its next row verifies them. KeyError if not live, ValueError otherwise.")
-      .def("schedule", &schedule, "allow_prefill"_a = true, "now"_a = py::none())
+      .def("schedule", &schedule, "allow_prefill"_a = true, "now"_a = py::none(),
+           "admit_waiting"_a = true)
       .def("update", &update, "batch"_a, "sampled_token_ids"_a, "num_accepted"_a = py::none(),
            "draft_token_ids"_a = py::none(), "logprobs"_a = py::none())
       .def("take_rejected", locked([](Scheduler& c) { return c.take_rejected(); }))
@@ -645,13 +648,15 @@ void bind_scheduler(py::module_& m) {
            })
       .def(
           "get_next_batch_info",
-          [](SchedulerHandle& h, bool allow_prefill, std::optional<double> now) {
+          [](SchedulerHandle& h, bool allow_prefill, std::optional<double> now,
+             bool admit_waiting) {
             const double t = now ? *now : monotonic_seconds();
-            const NextBatchInfo info =
-                with_core(h, [&](Scheduler& c) { return c.next_batch_info(t, allow_prefill); });
+            const NextBatchInfo info = with_core(h, [&](Scheduler& c) {
+              return c.next_batch_info(t, allow_prefill, admit_waiting);
+            });
             return py::make_tuple(info.is_prefill, info.num_tokens, info.num_rows);
           },
-          "allow_prefill"_a = true, "now"_a = py::none())
+          "allow_prefill"_a = true, "now"_a = py::none(), "admit_waiting"_a = true)
       .def("has_unfinished_requests",
            locked([](Scheduler& c) { return c.has_unfinished_requests(); }))
       .def("reset_prefix_cache", locked([](Scheduler& c) { c.reset_prefix_cache(); }))

@@ -571,7 +571,7 @@ PrefillChunk Scheduler::prefill_chunk() const {
   return {config_.enable_chunked_prefill, config_.long_prefill_token_threshold};
 }
 
-void Scheduler::schedule_prefills(Batch& b, double now) {
+void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
   const int32_t budget = config_.max_num_batched_tokens;
   const int32_t max_rows = config_.max_num_seqs;
   const PrefillChunk chunk_of = prefill_chunk();
@@ -593,6 +593,7 @@ void Scheduler::schedule_prefills(Batch& b, double now) {
   // waiting under FCFS, possibly the request whose row preempted itself) would be re-admitted to
   // recompute the KV the step has just freed. Only a mixed step decodes, so preempts, before
   // it admits; Phase 1 rows hold their blocks already.
+  if (!admit_waiting) return;
   if (config_.scheduler_delay_factor > 0 && !passed_delay(now)) return;
   if (!step_victims_[next_buffer_].empty()) return;
   const int32_t bs = config_.block_size;
@@ -952,7 +953,7 @@ void Scheduler::preempt(int32_t slot) {
   ++stats_.num_preemptions;
 }
 
-const Batch* Scheduler::schedule(double now, bool allow_prefill) {
+const Batch* Scheduler::schedule(double now, bool allow_prefill, bool admit_waiting) {
   if (num_outstanding_ >= kMaxOutstandingBatches)
     throw InvalidArgument("schedule(): " + std::to_string(kMaxOutstandingBatches) +
                           " batches are outstanding; pass the oldest to update() first");
@@ -970,9 +971,9 @@ const Batch* Scheduler::schedule(double now, bool allow_prefill) {
   if (config_.policy == BatchPolicy::kMixed) {
     // Stall-free: no running request waits for a prefill; prompts take the budget left.
     decode_rows = schedule_decodes(b);
-    if (allow_prefill) schedule_prefills(b, now);
+    if (allow_prefill) schedule_prefills(b, now, admit_waiting);
   } else {
-    if (allow_prefill) schedule_prefills(b, now);
+    if (allow_prefill) schedule_prefills(b, now, admit_waiting);
     if (b.num_rows == 0) decode_rows = schedule_decodes(b);
   }
   if (b.num_rows == 0) {
@@ -990,10 +991,11 @@ const Batch* Scheduler::schedule(double now, bool allow_prefill) {
   return &b;
 }
 
-NextBatchInfo Scheduler::next_batch_info(double now, bool allow_prefill) const {
+NextBatchInfo Scheduler::next_batch_info(double now, bool allow_prefill,
+                                         bool admit_waiting) const {
   Scheduler copy = *this;
   copy.dry_run_ = true;
-  const Batch* b = copy.schedule(now, allow_prefill);
+  const Batch* b = copy.schedule(now, allow_prefill, admit_waiting);
   if (b == nullptr) return {};
   return {b->is_prefill, b->num_tokens, b->num_rows};
 }

@@ -183,12 +183,14 @@ class H {
     Inv("add_request");
   }
 
-  std::optional<Snap> sched(double now = 0.0, bool allow_prefill = true) {
+  std::optional<Snap> sched(double now = 0.0, bool allow_prefill = true,
+                            bool admit_waiting = true) {
     std::optional<NextBatchInfo> info;
-    if (check_next_info) info = s.next_batch_info(now, allow_prefill);
-    const V64 running_before = s.running_ids();
+    if (check_next_info) info = s.next_batch_info(now, allow_prefill, admit_waiting);
+    V64 running_before = s.running_ids();
+    std::erase_if(running_before, [&](int64_t id) { return s.request(id).blocks_shipped == 0; });
     const int64_t preemptions_before = s.stats().num_preemptions;
-    const Batch* b = s.schedule(now, allow_prefill);
+    const Batch* b = s.schedule(now, allow_prefill, admit_waiting);
     Inv("schedule");
     if (b == nullptr) {
       if (info) {
@@ -211,6 +213,8 @@ class H {
   // A step that preempted admits no request from waiting (as vLLM): above all, a request is never
   // preempted and re-admitted in one step (its KV recomputed at once). An admission is a prefill
   // row whose device slot starts afresh; a request preempted by the step was running before it.
+  // (A request whose remote KV arrived may join the running set a step before its first row: it
+  // had shipped no block then, and is left out of running_before.)
   void CheckAdmissions(const Snap& b, const V64& running_before, int64_t preemptions) {
     for (int32_t i = 0; i < b.num_rows; ++i) {
       if (!b.prefill_rows[i] || !b.slot_reset[i]) continue;

@@ -195,6 +195,40 @@ TEST(ExternalKvTest, ImpossibleAnswersAreConnectorErrors) {
 namespace atom_sched {
 namespace {
 
+// admit_waiting = false (vLLM's PAUSED_NEW): nothing new is admitted, but a running request's
+// prompt chunks go on and a request whose KV has arrived joins the running set.
+TEST(PausedNewTest, OnlyRequestsAlreadyHoldingKvAreServed) {
+  SchedulerConfig c = Cfg(16);
+  c.enable_chunked_prefill = true;
+  c.max_num_batched_tokens = 4;
+  c.policy = BatchPolicy::kMixed;
+  H h(c);
+  auto conn = std::make_shared<ExternalConnector>();
+  h.s.set_kv_connector(conn);
+  conn->answers[1] = Ext(8, true);
+  h.add(1, Seq(20, 11), P(1));
+  h.add(0, Seq(1, 10), P(1));
+  auto b = h.sched();
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->req_ids, V64{0});  // request 0's first chunk; request 1 waits for its KV
+  EXPECT_EQ(h.s.request(1).status, RequestStatus::kWaitingForRemoteKv);
+  h.upd(*b, {0});
+  h.add(2, Seq(40, 3), P(1));
+  const V64 recv{1};
+  h.s.update_from_kv_xfer_finished({}, recv);
+  for (int step = 0; step < 8 && h.s.has_unfinished_requests(); ++step) {
+    b = h.sched(0.0, true, /*admit_waiting=*/false);
+    if (!b) break;
+    EXPECT_EQ(std::count(b->req_ids.begin(), b->req_ids.end(), 2), 0) << "admitted while paused";
+    h.upd(*b, V(static_cast<size_t>(b->num_rows), 5));
+  }
+  EXPECT_EQ(h.s.waiting_ids(), V64{2});
+  EXPECT_EQ(h.s.num_running(), 0);
+  b = h.sched();
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->req_ids, V64{2});
+}
+
 // fence_freed_blocks: a request that finishes (or is preempted) while a later batch is in flight
 // keeps its blocks out of the pool until that batch is updated; without it they return at once.
 TEST(FencedFreeTest, BlocksFreedWithABatchInFlightWaitForIt) {

@@ -325,9 +325,6 @@ def test_accepts_a_plain_config_and_sizes_the_core_from_it():
     ({"model_config__is_multimodal_model": True}, "multimodal models"),
     ({"model_config__is_encoder_decoder": True}, "encoder-decoder models"),
     ({"parallel_config__pipeline_parallel_size": 2}, "pipeline parallelism"),
-    ({"scheduler_config__async_scheduling": True, "num_speculative_tokens": 2,
-      "speculative_config": SimpleNamespace(method="ngram")},
-     "speculative decoding with async scheduling"),
     ({"diffusion_config": object()}, "diffusion language models"),
     ({"aux_output_config": SimpleNamespace(enabled=True)}, "routed experts"),
 ])

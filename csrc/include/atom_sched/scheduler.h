@@ -137,9 +137,11 @@ class Scheduler {
 
   /// Chooses the next batch. Returns nullptr (and changes nothing but the delay clock) when there
   /// is nothing to run. `allow_prefill = false` is a data-parallel veto: only decode rows run.
+  /// `admit_waiting = false` (vLLM's PAUSED_NEW): nothing is admitted from `waiting`; running
+  /// requests go on, prompt chunks included, and requests whose remote KV has arrived join them.
   /// InvalidArgument if kMaxOutstandingBatches batches are already outstanding. The batch stays
   /// valid until the batch after the next one is scheduled.
-  const Batch* schedule(double now = 0.0, bool allow_prefill = true);
+  const Batch* schedule(double now = 0.0, bool allow_prefill = true, bool admit_waiting = true);
 
   /// Consumes the outputs of the oldest outstanding batch, whose id must be `batch_id`.
   /// InvalidArgument (state unchanged) on a wrong batch id or on outputs that do not match it.
@@ -175,7 +177,8 @@ class Scheduler {
 
   /// What schedule(now, allow_prefill) would return, computed on a copy of the state: exact by
   /// construction, O(state) in cost (a query for coordination and tests, not for every step).
-  [[nodiscard]] NextBatchInfo next_batch_info(double now = 0.0, bool allow_prefill = true) const;
+  [[nodiscard]] NextBatchInfo next_batch_info(double now = 0.0, bool allow_prefill = true,
+                                              bool admit_waiting = true) const;
 
   [[nodiscard]] const SchedulerStats& stats() const noexcept { return stats_; }
   [[nodiscard]] const SchedulerConfig& config() const noexcept { return config_; }
@@ -333,7 +336,7 @@ class Scheduler {
   void ensure_block_hashes(Request& r, int32_t num_blocks);
   [[nodiscard]] int32_t probe_blocks(const Request& r) const;  // blocks can_allocate may hit
   [[nodiscard]] bool passed_delay(double now);
-  void schedule_prefills(Batch& b, double now);
+  void schedule_prefills(Batch& b, double now, bool admit_waiting);
   int32_t schedule_decodes(Batch& b);  // returns the decode rows it added
   // The decode loop and its row helpers are compiled per kind of step (kSpec: K > 0; kPow2: a
   // power-of-two block size), so the common K = 0 step carries no draft logic and no division

@@ -104,9 +104,6 @@ EXPECTED: list[tuple[str, str, str]] = [
      "hands SchedulerOutputs back out of order (update_from_output takes the oldest)"),
     (S + "test_external_prefix_cache_metrics[[]*-True]", "whitebox",
      "reads kv_holding_waiting (vLLM's blocked-request queue)"),
-    (S + "test_pause_new_drains_async_kv_loads", "policy",
-     "PAUSED_NEW schedules no prefill at all: a request whose KV has arrived waits for the "
-     "resume"),
     (S + "test_prepend_skipped_requests_order", "whitebox",
      "drives vLLM's request queues (remove_requests)"),
     (S + "test_abort_request_finished_recving", "whitebox",
