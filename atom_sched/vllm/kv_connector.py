@@ -136,6 +136,7 @@ class VllmConnectorBridge(atom_sched.KVConnector):
 
     def request_finished(self, creq: atom_sched.ConnectorRequest) -> bool:
         request = self._request_of(creq.request_id)
+        self._answers.pop(creq.request_id, None)  # asked, then not admitted (no budget left)
         self.cached_at_admission.pop(request.request_id, None)
         # vLLM hands over the blocks of the computed tokens.
         computed = -(-request.num_computed_tokens // self.block_size)

@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -674,6 +675,40 @@ def test_at_most_max_loras_adapters_are_in_the_core_at_once():
     assert s.core_stats()["num_finished"] == 5
 
 
+def _run_async_engine(s, runner, *, after_schedule=None, with_output=None, after_update=None,
+                      max_steps: int = 100) -> dict[str, list[int]]:
+    """vLLM's engine loop under async scheduling, model-free: the next step is scheduled while
+    one is in flight (its batch queue of two), outputs go back oldest first. Hooks:
+    ``after_schedule(out, queue)``, ``with_output(out, model_runner_output)`` (to attach what a
+    runner would report besides tokens), ``after_update(engine_core_outputs, queue)``. Returns
+    every request's streamed tokens."""
+    from collections import deque
+
+    got: dict[str, list[int]] = defaultdict(list)
+    queue: deque = deque()
+    for _ in range(max_steps):
+        if not (s.has_requests() or queue):
+            return dict(got)
+        if len(queue) < 2 and s.has_requests():
+            out = s.schedule()
+            queue.append(out)
+            if after_schedule is not None:
+                after_schedule(out, queue)
+            if out.total_num_scheduled_tokens:
+                continue
+        out = queue.popleft()
+        mro = runner.step(out)
+        if with_output is not None:
+            with_output(out, mro)
+        result = s.update_from_output(out, mro)
+        for eco in result.values():
+            for o in eco.outputs:
+                got[o.request_id] += o.new_token_ids
+        if after_update is not None:
+            after_update(result, queue)
+    raise AssertionError(f"the requests did not finish in {max_steps} steps")
+
+
 @pytest.mark.parametrize("num_blocks", [64, 4], ids=["plenty", "preempting"])
 def test_async_scheduling_one_step_ahead_against_a_stand_in_runner(num_blocks):
     """async_scheduling (vLLM's AsyncScheduler protocol, its engine's batch queue of two): the
@@ -681,39 +716,30 @@ def test_async_scheduling_one_step_ahead_against_a_stand_in_runner(num_blocks):
     output placeholder the runner counts (num_output_tokens) and its output takes it off; no
     row is scheduled for a request whose outputs in flight end it; with three usable blocks a
     request is preempted while its output is in flight, and every answer is whole."""
-    from collections import deque
-
     from atom_sched.vllm import AtomScheduler
 
     cfg, kv = _config(scheduler_config__async_scheduling=True)
     kv.num_blocks = num_blocks
     s = AtomScheduler(cfg, kv, None, block_size=16)
     assert s.async_scheduling
-    runner = StandInRunner(16)
     max_tokens = {"a": 8, "b": 8, "c": 3}
     for rid, n in max_tokens.items():
         s.add_request(make_request(rid, 14, n))
-    got = {rid: [] for rid in max_tokens}
-    queue, scheduled_tokens, max_in_flight = deque(), 0, 0
-    while s.has_requests() or queue:
-        if len(queue) < 2 and s.has_requests():
-            out = s.schedule()
-            c = out.scheduled_cached_reqs
-            for rid, n_out in zip(c.req_ids, c.num_output_tokens, strict=True):
-                request = s.requests[rid]
-                assert n_out == request.num_output_tokens + (
-                    request.num_output_placeholders - (0 if request.is_prefill_chunk else 1))
-            scheduled_tokens += out.total_num_scheduled_tokens
-            queue.append(out)
-            max_in_flight = max(max_in_flight, len(queue))
-            if out.total_num_scheduled_tokens:
-                continue
-        out = queue.popleft()
-        for eco in s.update_from_output(out, runner.step(out)).values():
-            for o in eco.outputs:
-                got[o.request_id] += o.new_token_ids
+    scheduled_tokens, in_flight = 0, set()
+
+    def after_schedule(out, queue):
+        nonlocal scheduled_tokens
+        c = out.scheduled_cached_reqs
+        for rid, n_out in zip(c.req_ids, c.num_output_tokens, strict=True):
+            request = s.requests[rid]
+            assert n_out == request.num_output_tokens + (
+                request.num_output_placeholders - (0 if request.is_prefill_chunk else 1))
+        scheduled_tokens += out.total_num_scheduled_tokens
+        in_flight.add(len(queue))
+
+    got = _run_async_engine(s, StandInRunner(16), after_schedule=after_schedule)
     assert got == {rid: [7] * n for rid, n in max_tokens.items()}
-    assert max_in_flight == 2
+    assert max(in_flight) == 2
     preempted = s.core_stats()["num_preemptions"]
     assert (preempted > 0) == (num_blocks == 4)
     if not preempted:
@@ -834,31 +860,21 @@ def test_async_scheduling_with_drafts_on_the_device_against_a_stand_in_runner():
     its own; accepted ones come back as tokens, rejected ones roll the request's computed count
     and output placeholders back. Every request stops at max_tokens exactly; the stats count
     every placeholder scheduled against a sampled row as proposed (vLLM's rule)."""
-    from collections import deque
-
     s = _spec_scheduler(scheduler_config__async_scheduling=True,
                         speculative_config=SimpleNamespace(method="ngram_gpu"))
     assert s.async_scheduling
     plan = {"a": [7, 7], "b": [7, 9], "c": []}
-    runner = StandInRunner(16, drafter=lambda rid: plan[rid], drafts_on_device=True)
     for rid in plan:
         s.add_request(make_request(rid, 14, 8))
-    got, queue = {rid: [] for rid in plan}, deque()
     drafted = accepted = 0
-    for _ in range(60):
-        if not (s.has_requests() or queue):
-            break
-        if len(queue) < 2 and s.has_requests():
-            out = s.schedule()
-            for drafts in out.scheduled_spec_decode_tokens.values():
-                assert set(drafts) == {-1}
-            queue.append(out)
-            if out.total_num_scheduled_tokens:
-                continue
-        out = queue.popleft()
-        for eco in s.update_from_output(out, runner.step(out)).values():
-            for o in eco.outputs:
-                got[o.request_id] += o.new_token_ids
+
+    def after_schedule(out, queue):
+        for drafts in out.scheduled_spec_decode_tokens.values():
+            assert set(drafts) == {-1}
+
+    def after_update(result, queue):
+        nonlocal drafted, accepted
+        for eco in result.values():
             if (st := eco.scheduler_stats.spec_decoding_stats) is not None:
                 drafted += st.num_draft_tokens
                 accepted += st.num_accepted_tokens
@@ -869,6 +885,9 @@ def test_async_scheduling_with_drafts_on_the_device_against_a_stand_in_runner():
             assert request.num_output_placeholders == sum(
                 1 + len(o.scheduled_spec_decode_tokens.get(rid, ()))
                 for o in queue if rid in o.num_scheduled_tokens)
+
+    runner = StandInRunner(16, drafter=lambda rid: plan[rid], drafts_on_device=True)
+    got = _run_async_engine(s, runner, after_schedule=after_schedule, after_update=after_update)
     assert got == {rid: [7] * 8 for rid in plan}
     assert not s.requests and s.get_kv_cache_usage() == 0.0
     core = s.core_stats()
@@ -1183,8 +1202,6 @@ def test_a_consumer_connector_with_async_scheduling_against_a_stand_in_runner():
     for it (the core's fence_freed_blocks), an asynchronous load lands between two steps in
     flight, every answer is whole. A producer (it hands KV off) is refused with async
     scheduling."""
-    from collections import deque
-
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import RequestStatus
 
@@ -1198,25 +1215,16 @@ def test_a_consumer_connector_with_async_scheduling_against_a_stand_in_runner():
     max_tokens = {"async": 4, "sync": 5, "plain": 3}
     for rid, n in max_tokens.items():
         s.add_request(make_request(rid, 40, n))
-    runner, queue, recv_sent = StandInRunner(16), deque(), False
-    got = {rid: [] for rid in max_tokens}
-    for _ in range(60):
-        if not (s.has_requests() or queue):
-            break
-        if len(queue) < 2 and s.has_requests():
-            out = s.schedule()
-            queue.append(out)
-            if out.total_num_scheduled_tokens:
-                continue
-        out = queue.popleft()
-        mro = runner.step(out)
+    recv_sent = False
+
+    def with_output(out, mro):
+        nonlocal recv_sent
         if not recv_sent and s.requests["async"].status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             mro.kv_connector_output = KVConnectorOutput(finished_recving={"async"})
             recv_sent = True
-        for eco in s.update_from_output(out, mro).values():
-            for o in eco.outputs:
-                got[o.request_id] += o.new_token_ids
-        s.core.check_invariants()
+
+    got = _run_async_engine(s, StandInRunner(16), with_output=with_output,
+                            after_update=lambda result, queue: s.core.check_invariants())
     assert recv_sent and got == {rid: [7] * n for rid, n in max_tokens.items()}
     assert not s.requests and s.get_kv_cache_usage() == 0.0
 
