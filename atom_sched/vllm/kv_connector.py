@@ -12,6 +12,7 @@ still wait on a transfer report from the workers.
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -105,8 +106,10 @@ class VllmConnectorBridge(atom_sched.KVConnector):
         external, load_async = self.connector.get_num_new_matched_tokens(request, local)
         if external is None:
             return None  # cannot tell yet: asked again at the next step
-        if isinstance(external, bool) or not isinstance(external, int) or external < 0:
+        if isinstance(external, bool) or not isinstance(external, numbers.Integral) \
+                or external < 0:
             raise ValueError(f"get_num_new_matched_tokens returned {external!r} tokens")
+        external = int(external)
         num_tokens = len(creq.token_ids)
         if external > num_tokens - local:
             raise ValueError(f"get_num_new_matched_tokens claims {external} tokens after a "
