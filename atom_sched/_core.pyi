@@ -49,6 +49,7 @@ class SchedulerConfig:
     admission_watermark_blocks: int
     tenant_weights: dict[str, float]
     fence_freed_blocks: bool
+    drop_preempted_outputs: bool
     def __init__(
         self,
         num_blocks: int,
@@ -76,6 +77,7 @@ class SchedulerConfig:
         admission_watermark_blocks: int = 0,
         tenant_weights: Mapping[str, float] = ...,
         fence_freed_blocks: bool = False,
+        drop_preempted_outputs: bool = False,
     ) -> None: ...
     def validate(self) -> None: ...
     @property

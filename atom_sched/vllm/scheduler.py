@@ -171,17 +171,16 @@ class AtomScheduler(SchedulerInterface):
             enable_kv_events=self.enable_kv_cache_events,
             # With a step in flight a connector's load into a reused block could race the
             # step's writes: freed blocks wait for it (vLLM's defer_block_free).
-            fence_freed_blocks=self.connector is not None and self.async_scheduling,
+            fence_freed_blocks=(self.connector is not None and self.async_scheduling
+                                and bool(vllm_config.kv_transfer_config.is_kv_consumer)),
+            # A connector that hands KV off when a request finishes: a request preempted with
+            # an output in flight must not finish by it, holding no blocks (vLLM's
+            # requires_kv_delivery: that output is dropped and recomputed).
+            drop_preempted_outputs=(self.connector is not None
+                                    and bool(self.connector.requires_kv_delivery)),
             **policies,
         )
         self.core = atom_sched.Scheduler(self.core_config)
-        if self.connector is not None and self.async_scheduling \
-                and self.connector.requires_kv_delivery:
-            self.connector.shutdown()
-            raise _refuse("a KV connector that hands KV off (a producer: requires_kv_delivery) "
-                          "with async scheduling (a request preempted with output in flight "
-                          "could finish and hand off blocks it no longer holds)",
-                          "pass --no-async-scheduling, or use the connector as a consumer.")
         if self.connector is not None:
             self._kv = VllmConnectorBridge(
                 self.connector, block_size,
@@ -862,7 +861,8 @@ class AtomScheduler(SchedulerInterface):
                 num_accepted = int(accepted[row]) - 1
                 num_proposed = len(drafts) - invalid.get(rid, 0)
                 tracked = self._tracked.get(rid)
-                if tracked is not None:
+                if tracked is not None and tracked.on_runner:
+                    # (Preempted since: its counts restarted, this output predates them.)
                     request = tracked.request
                     request.num_computed_tokens -= len(drafts) - num_accepted
                     if request.num_output_placeholders:

@@ -888,6 +888,9 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
     const int32_t needed = blocks_in<kPow2>(r.num_computed_tokens + n);
     const int32_t have = r.table_size;
     if (have < needed && !pool_.grow(r.block_table, needed)) {
+      // A victim's blocks would stay fenced while its rows fly: preempting frees nothing now,
+      // so the row waits for the batches in flight (their outputs free or advance requests).
+      if (config_.fence_freed_blocks && num_outstanding_ > 0) continue;
       // Blocks held where no preemption reaches (rows before it, requests waiting for a
       // transfer): with an empty batch, preempting would change the state and still schedule
       // nothing, so the request keeps its blocks and waits; later requests may still run.
@@ -920,7 +923,7 @@ void Scheduler::release_kv(Request& r, bool keep_blocks) {
   // Blocks and slots may still be written by a batch in flight; they are handed out again only to
   // batches scheduled later, which run after it on the engine's stream.
   if (!keep_blocks) {
-    if (config_.fence_freed_blocks && num_outstanding_ > 0) {
+    if (config_.fence_freed_blocks && r.num_inflight > 0) {  // a batch in flight writes them
       const int32_t newest = (next_buffer_ - 1 + kMaxOutstandingBatches) % kMaxOutstandingBatches;
       auto& fenced = fenced_blocks_[newest];
       fenced.insert(fenced.end(), r.block_table.begin(), r.block_table.end());

@@ -525,6 +525,7 @@ template <bool kSpec>
     return;
   }
   const bool running = r.status == RequestStatus::kRunning;
+  if (!running && config_.drop_preempted_outputs) return;  // preempted meanwhile: recomputed
   int32_t accepted = 1;
   const bool prefill_row = b.row_is_prefill[row] != 0;
   if (prefill_row) {

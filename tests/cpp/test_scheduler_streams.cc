@@ -189,7 +189,9 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
     if (c.scheduling == SchedulingPolicy::kFairShare) c.tenant_weights = {{"a", 3.0}, {"c", 0.5}};
     if (c.enable_chunked_prefill && rng() % 3 == 0) c.long_prefill_token_threshold = pick(1, 12);
     c.host_block_tables = host_tables;
-    c.fence_freed_blocks = seed % 3 == 0;  // (not from rng: the other seeds' streams unchanged)
+    // (Not from rng: the other seeds' streams stay as they were.)
+    c.fence_freed_blocks = seed % 3 == 0;
+    c.drop_preempted_outputs = seed % 4 == 1;
     const int32_t k = c.num_speculative_tokens;
     H h(c);
     h.check_device_plan = check_plan;

@@ -57,6 +57,8 @@ class StandInRunner:
             ids = c.new_block_ids[i]
             if rid in c.resumed_req_ids:
                 self.blocks[rid] = list(ids[0])
+                if rid in c.all_token_ids:  # a resumed request's tokens are the scheduler's
+                    self.tokens[rid] = len(c.all_token_ids[rid])
             elif ids is not None:
                 self.blocks[rid].extend(ids[0])
             computed[rid] = c.num_computed_tokens[i]

@@ -1066,7 +1066,8 @@ def test_random_streams_keep_every_invariant_against_a_stand_in_runner(seed):
 # ---- KV connectors (tests/vllm/scripted_kv.py; no model needed) ---------------------------------
 
 
-def _connector_scheduler(name: str = "ScriptedConnector", role: str = "kv_both", **over):
+def _connector_scheduler(name: str = "ScriptedConnector", role: str = "kv_both",
+                         num_blocks: int = 64, **over):
     from scripted_kv import ScriptedConnector
     from vllm.config import KVTransferConfig
 
@@ -1079,6 +1080,7 @@ def _connector_scheduler(name: str = "ScriptedConnector", role: str = "kv_both",
                                             kv_connector_module_path="scripted_kv",
                                             kv_role=role),
         scheduler_config__disable_hybrid_kv_cache_manager=True, **over)
+    kv.num_blocks = num_blocks
     s = AtomScheduler(cfg, kv, None, block_size=16, log_stats=True)
     return s, ScriptedConnector.last
 
@@ -1200,17 +1202,13 @@ def test_a_failing_connector_costs_only_its_request(caplog):
 def test_a_consumer_connector_with_async_scheduling_against_a_stand_in_runner():
     """Async scheduling with a consumer connector: blocks freed while a step is in flight wait
     for it (the core's fence_freed_blocks), an asynchronous load lands between two steps in
-    flight, every answer is whole. A producer (it hands KV off) is refused with async
-    scheduling."""
+    flight, every answer is whole."""
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import RequestStatus
 
-    from atom_sched.vllm import UnsupportedFeature
-
-    with pytest.raises(UnsupportedFeature, match="hands KV off"):
-        _connector_scheduler(role="kv_both", scheduler_config__async_scheduling=True)
     s, conn = _connector_scheduler(role="kv_consumer", scheduler_config__async_scheduling=True)
     assert s.async_scheduling and s.core_config.fence_freed_blocks
+    assert not s.core_config.drop_preempted_outputs  # a consumer hands nothing off
     conn.script.update({"async": (32, True), "sync": (16, False)})
     max_tokens = {"async": 4, "sync": 5, "plain": 3}
     for rid, n in max_tokens.items():
@@ -1227,6 +1225,38 @@ def test_a_consumer_connector_with_async_scheduling_against_a_stand_in_runner():
                             after_update=lambda result, queue: s.core.check_invariants())
     assert recv_sent and got == {rid: [7] * n for rid, n in max_tokens.items()}
     assert not s.requests and s.get_kv_cache_usage() == 0.0
+
+
+def test_a_producer_connector_with_async_scheduling_hands_off_only_held_blocks():
+    """A connector that hands KV off at a finish (a producer), async scheduling and a pool of
+    three blocks: requests are preempted with outputs in flight. Those outputs are dropped
+    (vLLM's requires_kv_delivery), so no request finishes while it holds no blocks: every
+    hand-off names the request's blocks; the sends are reported and every answer is whole."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    s, conn = _connector_scheduler(role="kv_both", num_blocks=4,
+                                   scheduler_config__async_scheduling=True)
+    assert s.core_config.drop_preempted_outputs and s.core_config.fence_freed_blocks
+    max_tokens = {"a": 8, "b": 8, "c": 3}
+    conn.keep.update(max_tokens)
+    for rid, n in max_tokens.items():
+        s.add_request(make_request(rid, 14, n))
+    reported: set[str] = set()
+
+    def with_output(out, mro):
+        finished = {c[1] for c in conn.calls if c[0] == "finished"} - reported
+        if finished:
+            mro.kv_connector_output = KVConnectorOutput(finished_sending=finished)
+            reported.update(finished)
+
+    got = _run_async_engine(s, StandInRunner(16), with_output=with_output,
+                            after_update=lambda result, queue: s.core.check_invariants())
+    assert got == {rid: [7] * n for rid, n in max_tokens.items()}
+    assert s.core_stats()["num_preemptions"] > 0
+    handoffs = [c for c in conn.calls if c[0] == "finished"]
+    assert sorted(c[1] for c in handoffs) == ["a", "b", "c"]
+    assert all(c[2] for c in handoffs), handoffs  # every hand-off names blocks
+    assert not s.has_requests() and s.get_kv_cache_usage() == 0.0
 
 
 def test_a_connector_that_takes_vllms_block_pool_is_refused():

@@ -65,11 +65,18 @@ struct SchedulerConfig {
   // request runs: with none running, a request that fits is admitted (it could wait forever
   // otherwise). 0: ATOM's rule, admitted when it fits.
   int32_t admission_watermark_blocks = 0;
-  // Blocks freed (a finish, an abort, a preemption) while batches are outstanding return to the
-  // pool only once those batches are updated, instead of at once. Batches scheduled later run
-  // after them on the engine's stream, so reuse is safe without it; a KV connector that loads
+  // Blocks freed (a finish, an abort, a preemption) while a batch in flight holds a row of their
+  // request return to the pool only once the batches outstanding then are updated, instead of
+  // at once; and no request is preempted while batches are outstanding (its blocks would stay
+  // fenced: the row that needs blocks waits instead). Batches scheduled later run after those
+  // in flight on the engine's stream, so reuse is safe without it; a KV connector that loads
   // into reused blocks outside that order (asynchronously) is not (vLLM's defer_block_free).
   bool fence_freed_blocks = false;
+  // The output of a row in flight when its request was preempted is dropped, instead of
+  // appended when it lands: the request recomputes that token after its re-prefill. For a KV
+  // connector that hands KV off when a request finishes (vLLM's requires_kv_delivery): a
+  // request must not finish, and hand off, while it holds no blocks.
+  bool drop_preempted_outputs = false;
   // kFairShare: each tenant's weight (finite, > 0); a tenant not listed weighs 1. Names are at
   // most kMaxExtraKeyBytes bytes.
   std::map<std::string, double> tenant_weights;
