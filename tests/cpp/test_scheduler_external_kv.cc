@@ -1,6 +1,7 @@
 // External KV from a connector (vLLM's KV connectors: offloading, a shared store, a prefill
 // engine without ATOM's first token): tokens after the local prefix hit whose KV the connector
-// supplies, loaded during the admitting step or waited for; and "cannot tell yet".
+// supplies, loaded during the admitting step or waited for; "cannot tell yet"; and PAUSED_NEW
+// (admit_waiting = false), which lets requests whose KV arrived run.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -189,12 +190,6 @@ TEST(ExternalKvTest, ImpossibleAnswersAreConnectorErrors) {
   }
 }
 
-}  // namespace
-}  // namespace atom_sched
-
-namespace atom_sched {
-namespace {
-
 // admit_waiting = false (vLLM's PAUSED_NEW): nothing new is admitted, but a running request's
 // prompt chunks go on and a request whose KV has arrived joins the running set.
 TEST(PausedNewTest, OnlyRequestsAlreadyHoldingKvAreServed) {
@@ -227,95 +222,6 @@ TEST(PausedNewTest, OnlyRequestsAlreadyHoldingKvAreServed) {
   b = h.sched();
   ASSERT_TRUE(b);
   EXPECT_EQ(b->req_ids, V64{2});
-}
-
-// fence_freed_blocks: a request that finishes while a later batch holds a row of it keeps its
-// blocks out of the pool until that batch is updated; without it they return at once.
-TEST(FencedFreeTest, BlocksFreedWithARowInFlightWaitForIt) {
-  for (bool fence : {false, true}) {
-    SCOPED_TRACE(fence ? "fenced" : "not fenced");
-    SchedulerConfig c = Cfg(16);
-    c.fence_freed_blocks = fence;
-    c.policy = BatchPolicy::kMixed;
-    H h(c);
-    SamplingParams p = P(4);
-    p.stop_token_ids = {9};
-    h.add(0, Seq(1, 6), p);
-    auto b1 = h.sched();
-    ASSERT_TRUE(b1);
-    h.add(1, Seq(10, 6), P(4));
-    auto b2 = h.sched();  // request 0's decode row ahead, request 1's prefill
-    ASSERT_TRUE(b2);
-    EXPECT_EQ(b2->row_of(0), 0);
-    EXPECT_EQ(h.s.block_pool().num_free_blocks(), 12);
-    auto o = h.upd(*b1, {9});
-    EXPECT_EQ(o.why(0), "stop_9");
-    EXPECT_EQ(h.s.block_pool().num_free_blocks(), fence ? 12 : 14);
-    h.upd(*b2, V(static_cast<size_t>(b2->num_rows), 5));
-    EXPECT_EQ(h.s.block_pool().num_free_blocks(), 14);
-  }
-}
-
-// With fence_freed_blocks no request is preempted while a batch is in flight: a decode row
-// that needs a block the pool lacks waits; with nothing in flight it preempts as usual.
-TEST(FencedFreeTest, NoPreemptionWhileABatchIsInFlight) {
-  SchedulerConfig c = Cfg(2);  // two usable blocks of 4 tokens
-  c.fence_freed_blocks = true;
-  c.policy = BatchPolicy::kMixed;
-  H h(c);
-  h.add(0, Seq(1, 4), P(8));
-  h.add(1, Seq(10, 4), P(8));
-  auto b1 = h.sched();  // both prompts: one block each, the pool is full
-  ASSERT_TRUE(b1);
-  auto b2 = h.sched();  // their next rows need a second block each: none, and none preempted
-  EXPECT_FALSE(b2);
-  EXPECT_EQ(h.s.stats().num_preemptions, 0);
-  h.upd(*b1, {5, 6});
-  auto b3 = h.sched();  // nothing in flight: request 1 is preempted for request 0
-  ASSERT_TRUE(b3);
-  EXPECT_EQ(h.s.stats().num_preemptions, 1);
-  EXPECT_EQ(b3->req_ids, V64{0});
-}
-
-}  // namespace
-}  // namespace atom_sched
-
-namespace atom_sched {
-namespace {
-
-// drop_preempted_outputs: a request preempted with rows in flight gets none of their tokens; it
-// recomputes them after its re-prefill. Without it they are appended when they land.
-TEST(DropPreemptedOutputsTest, RowsInFlightAtAPreemptionStreamNothing) {
-  for (bool drop : {false, true}) {
-    SCOPED_TRACE(drop ? "dropped" : "appended");
-    SchedulerConfig c = Cfg(16);
-    c.drop_preempted_outputs = drop;
-    c.policy = BatchPolicy::kMixed;
-    H h(c);
-    h.add(0, Seq(1, 6), P(3));
-    auto b1 = h.sched();
-    ASSERT_TRUE(b1);
-    auto b2 = h.sched();  // its decode row, one step ahead
-    ASSERT_TRUE(b2);
-    h.s.preempt_request(0);
-    h.Inv("preempt");
-    auto o1 = h.upd(*b1, {9});
-    auto o2 = h.upd(*b2, {10});
-    EXPECT_EQ(o1.has(0), !drop);
-    EXPECT_EQ(o2.has(0), !drop);
-    EXPECT_EQ(h.s.request(0).tokens.size(), drop ? 6u : 8u);
-    // Re-admitted, it computes what it has and goes on to max_tokens.
-    V got = drop ? V{} : V{9, 10};
-    for (int step = 0; step < 6 && h.s.has_unfinished_requests(); ++step) {
-      auto b = h.sched();
-      ASSERT_TRUE(b);
-      auto o = h.upd(*b, V(static_cast<size_t>(b->num_rows), 20 + step));
-      const V t = o.tokens(0);
-      if (o.has(0)) got.insert(got.end(), t.begin(), t.end());
-    }
-    EXPECT_EQ(got.size(), 3u);
-    EXPECT_FALSE(h.s.has_unfinished_requests());
-  }
 }
 
 }  // namespace
