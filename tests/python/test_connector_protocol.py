@@ -422,3 +422,20 @@ def test_external_tokens_synchronous_and_asynchronous():
     out = s.update(b, np.array([6], np.int32))
     assert [o.output_tokens for o in out] == [[6]]
     s.check_invariants()
+
+
+@pytest.mark.parametrize("answer", ["lots", (4, True, 9), (4,), ("4", False), 3.5])
+def test_a_malformed_answer_is_a_failed_connector_call(answer):
+    """Whatever a Python connector returns that is not a RemoteMatch, (num_tokens, load_async) or
+    None costs only that request: rejected with a connector error, the rest served, state whole."""
+    s = make()
+    s.set_kv_connector(External({0: answer}))
+    s.add_request(0, list(range(10, 16)), SamplingParams(max_tokens=1))
+    s.add_request(1, list(range(20, 26)), SamplingParams(max_tokens=1))
+    b = s.schedule()
+    assert list(b.req_ids) == [1]
+    (rejected,) = s.take_rejected()
+    assert rejected.request_id == 0 and rejected.reason.startswith("kv connector error")
+    assert len(s.take_connector_errors()) == 1
+    assert 0 not in s
+    s.check_invariants()

@@ -1179,10 +1179,11 @@ def test_a_failing_connector_costs_only_its_request(caplog):
     an error at admission; one whose request_finished raises frees the blocks at once (nothing
     held for a send). The others are served; every failure is logged."""
     s, conn = _connector_scheduler()
-    conn.script.update({"boom": RuntimeError("store down"), "greedy": (41, False)})
+    conn.script.update({"boom": RuntimeError("store down"), "greedy": (41, False),
+                        "fractional": (1.5, False)})
     conn.fail_finish.add("fin")
     conn.keep.add("fin")
-    for rid in ("boom", "greedy", "fin", "fine"):
+    for rid in ("boom", "greedy", "fractional", "fin", "fine"):
         s.add_request(make_request(rid, 40, 2))
     runner, outputs = StandInRunner(16), {}
     for _ in range(10):
@@ -1191,11 +1192,11 @@ def test_a_failing_connector_costs_only_its_request(caplog):
         _connector_step(s, runner, outputs)
     ends = {rid: (str(outs[-1].finish_reason), [t for o in outs for t in o.new_token_ids])
             for rid, outs in outputs.items()}
-    assert ends == {"boom": ("error", []), "greedy": ("error", []), "fin": ("length", [7, 7]),
-                    "fine": ("length", [7, 7])}
+    assert ends == {"boom": ("error", []), "greedy": ("error", []), "fractional": ("error", []),
+                    "fin": ("length", [7, 7]), "fine": ("length", [7, 7])}
     assert s.get_kv_cache_usage() == 0.0 and not s.has_requests()
     logged = caplog.text
-    assert "store down" in logged and "claims 41 tokens" in logged
+    assert "store down" in logged and "claims 41 tokens" in logged and "1.5 tokens" in logged
     assert "transfer engine gone" in logged
 
 
