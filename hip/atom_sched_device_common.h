@@ -8,7 +8,7 @@
 #include "atom_sched_kernels.h"
 
 #if defined(__CUDACC__) || defined(__HIP__)
-#define ATOM_SCHED_HD __host__ __device__ __forceinline__
+#define ATOM_SCHED_HD ATOM_SCHED_HOST_DEVICE __forceinline__
 #else
 #define ATOM_SCHED_HD inline
 #endif

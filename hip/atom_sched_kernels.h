@@ -18,6 +18,15 @@
 #include <cstddef>
 #include <cstdint>
 
+// Functions the host packing and the kernels both call. Under nvcc a plain constexpr function is
+// host-only: a kernel calling it is undefined (nvcc 13 warns, then folded such a call into "plan
+// invalid" on an H200: every kernel wrote padding), so both sides must be named.
+#if defined(__CUDACC__) || defined(__HIP__)
+#define ATOM_SCHED_HOST_DEVICE __host__ __device__
+#else
+#define ATOM_SCHED_HOST_DEVICE
+#endif
+
 namespace atom_sched::device {
 
 // ---- Status ------------------------------------------------------------------------------------
@@ -78,8 +87,9 @@ inline constexpr int32_t kRowHostInput = 8;
 inline constexpr int32_t kPlanBlockWords = 3;
 
 /// Words of a plan with these counts.
-[[nodiscard]] constexpr int64_t plan_words(int64_t num_rows, int64_t num_block_updates,
-                                           int64_t num_host_tokens) {
+[[nodiscard]] ATOM_SCHED_HOST_DEVICE constexpr int64_t plan_words(int64_t num_rows,
+                                                                  int64_t num_block_updates,
+                                                                  int64_t num_host_tokens) {
   return kPlanHeaderWords + kPlanRowWords * num_rows + kPlanBlockWords * num_block_updates +
          num_host_tokens;
 }
