@@ -12,9 +12,10 @@ counted). Reported per row count R and K:
 * CPU: median host time of prepare (plan packing + the C++ references) and accept, and the cost
   per row of both together.
 * GPU: median device time of one prepare replayed from a captured CUDA graph (its two kernels;
-  the plan upload is separate and counted in bytes), of the accept kernel, the kernel launches
-  of one prepare (torch profiler), the host waits of the whole loop (must be 0; torch's sync
-  debug mode is set to raise on any synchronizing call inside prepare/accept).
+  the plan upload is separate and counted in bytes) and of the accept kernel (a graph too), the
+  kernel launches of one prepare (torch profiler), the host waits of the whole loop (must be 0;
+  torch's sync debug mode is set to raise on any synchronizing call inside prepare/accept), the
+  host time of prepare and, of it, the plan packing alone.
 
 Writes ``device_bench.md`` and ``device_bench.json`` under --out ($OUT, else bench_out/).
 ``--check`` exits non-zero when the 1,024-row budgets are missed (GPU) or the results are
@@ -143,6 +144,45 @@ def run_one(rows: int, k: int, steps: int, device: str, check: bool) -> dict[str
     return r
 
 
+def pack_time(builder: Any, b: Any, reps: int = 200) -> float:
+    """Median host µs of packing `b`'s plan alone (the C++ part of prepare; the rest of the host
+    time is torch and the CUDA runtime: the upload, an event, the graph launch)."""
+    scratch = builder._plan_host_ptr[builder._step & 1]  # the buffer the next prepare would use
+    args = (b.request_slots, b.num_scheduled_tokens, b.num_cached_tokens, b.row_is_prefill,
+            b.slot_reset, b.emits_token, b.new_block_starts, b.new_block_offsets, b.new_block_ids,
+            b.scheduled_tokens, b.cu_seqlens_q)
+    ns = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        _core.device_pack_plan(scratch, builder.plan_capacity, *args)
+        ns.append(time.perf_counter_ns() - t0)
+    return statistics.median(ns) / 1e3
+
+
+def replay_times(launch: Any, reset: Any, reps: int = 30, per: int = 20) -> list[float]:
+    """Device µs of one `launch(stream)`: `per` launches captured in one CUDA graph, replayed
+    between two events, `reps` samples. One launch per replay would time the host's launch rate
+    instead wherever it is slower than the kernels (it was, at about 10 µs, on the H200 here).
+    `reset()` (outside the graph) before each sample keeps the slots' positions in range."""
+    import torch
+
+    reset()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(per):
+            launch(int(torch.cuda.current_stream().cuda_stream))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(reps):
+        reset()
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / per)
+    return samples
+
+
 def gpu_times(builder: Any, b: Any, rows: int, k: int) -> dict[str, Any]:
     """Device time of prepare from a captured graph, accept, and launches per prepare, for the
     last decode batch (its plan is still in the builder's device buffer)."""
@@ -166,36 +206,21 @@ def gpu_times(builder: Any, b: Any, rows: int, k: int) -> dict[str, Any]:
                "kernel" in e.name]
     builder._computed.copy_(saved)
 
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        prepare(int(torch.cuda.current_stream().cuda_stream))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps, per = 30, 20
-    samples = []
-    for _ in range(reps):
-        builder._computed.copy_(saved)  # keep positions in range across replays
-        start.record()
-        for _ in range(per):
-            g.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / per)
-    builder._computed.copy_(saved)
-    # accept: the kernel alone, on the same plan.
+    # accept: the kernel alone, on the same plan. Both are timed from graphs (replay_times):
+    # launched one by one from Python, accept measured the launch rate (about 20 µs on any row
+    # count, H200, 2026-12-04), not the kernel.
     tgt = torch.randint(10, 30000, (rows, k + 1), dtype=torch.int32, device=builder.device)
     res = builder._result_dev[0]
-    acc = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(per):
-            _core.device_accept(plan, builder._state, int(res.data_ptr()), rows,
-                                int(tgt.data_ptr()), 0, 0, 0, 0,
-                                int(torch.cuda.current_stream().cuda_stream), True)
-        end.record()
-        end.synchronize()
-        acc.append(start.elapsed_time(end) * 1e3 / per)
+
+    def accept(stream: int) -> None:
+        _core.device_accept(plan, builder._state, int(res.data_ptr()), rows, int(tgt.data_ptr()),
+                            0, 0, 0, 0, stream, True)
+
+    samples = replay_times(prepare, lambda: builder._computed.copy_(saved))
+    acc = replay_times(accept, lambda: builder._computed.copy_(saved))
     builder._computed.copy_(saved)
     return {
+        "host_pack_us": pack_time(builder, b),
         "device_prepare_us": statistics.median(samples),
         "device_prepare_p10_us": sorted(samples)[len(samples) // 10],
         "device_accept_us": statistics.median(acc),
@@ -207,12 +232,14 @@ def gpu_times(builder: Any, b: Any, rows: int, k: int) -> dict[str, Any]:
 def table(results: list[dict[str, Any]], gpu: bool) -> str:
     if gpu:
         head = ("| rows | K | prepare device µs (graph replay, median) | accept device µs | "
-                "launches / prepare | upload B/row | host waits | host prepare µs |")
-        sep = "|---:|---:|---:|---:|---:|---:|---:|---:|"
+                "launches / prepare | upload B/row | host waits | host prepare µs | of which plan "
+                "packing µs |")
+        sep = "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         lines = [head, sep] + [
             f"| {r['rows']} | {r['k']} | {r['device_prepare_us']:.2f} | "
             f"{r['device_accept_us']:.2f} | {r['launches_per_prepare']} | "
-            f"{r['upload_bytes_per_row']:.2f} | {r['host_waits']} | {r['host_prepare_us']:.1f} |"
+            f"{r['upload_bytes_per_row']:.2f} | {r['host_waits']} | {r['host_prepare_us']:.1f} | "
+            f"{r['host_pack_us']:.1f} |"
             for r in results
         ]
     else:
