@@ -50,6 +50,7 @@ class SchedulerConfig:
     tenant_weights: dict[str, float]
     fence_freed_blocks: bool
     drop_preempted_outputs: bool
+    num_lookahead_tokens: int
     def __init__(
         self,
         num_blocks: int,
@@ -78,6 +79,7 @@ class SchedulerConfig:
         tenant_weights: Mapping[str, float] = ...,
         fence_freed_blocks: bool = False,
         drop_preempted_outputs: bool = False,
+        num_lookahead_tokens: int = 0,
     ) -> None: ...
     def validate(self) -> None: ...
     @property

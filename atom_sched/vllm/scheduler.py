@@ -56,10 +56,11 @@ __all__ = ["AtomScheduler", "UnsupportedFeature"]
 
 
 
-# Speculative methods whose drafts come from the request's own tokens, proposed by the model
-# runner after sampling: they need no KV past the verified tokens (vLLM's lookahead slots) and no
-# draft model. The core verifies at most this many drafts a row.
-_DRAFT_METHODS = ("ngram", "ngram_gpu")
+# Speculative methods served: drafts proposed by the model runner after sampling, from the
+# request's own tokens (n-gram) or by a draft model, which writes its KV past the verified tokens
+# into slots the core reserves (vLLM's num_lookahead_tokens). The core verifies at most this many
+# drafts a row.
+_DRAFT_METHODS = ("ngram", "ngram_gpu", "draft_model")
 _MAX_DRAFTS = 8
 
 # The core's finish reasons (docs/api.md "Outputs and stop conditions") as vLLM statuses.
@@ -148,9 +149,12 @@ class AtomScheduler(SchedulerInterface):
         kv_events = vllm_config.kv_events_config
         self.enable_kv_cache_events = bool(kv_events is not None
                                            and kv_events.enable_kv_cache_events)
-        # Speculative decoding (n-gram): K drafts a decode row at most, proposed by the runner
-        # after each step's sampling and handed over through update_draft_token_ids().
+        # Speculative decoding: K drafts a decode row at most, proposed by the runner after each
+        # step's sampling and handed over through update_draft_token_ids() (or kept on the
+        # device, with async scheduling); a draft model's KV slots past each row's tokens are
+        # reserved by the core (num_lookahead_tokens: K for a draft model, else 0).
         self.num_spec_tokens = int(getattr(vllm_config, "num_speculative_tokens", 0) or 0)
+        self.num_lookahead_tokens = int(getattr(vllm_config, "num_lookahead_tokens", 0) or 0)
         # Per-request acceptance metrics in the response (vLLM's observability option).
         obs = getattr(vllm_config, "observability_config", None)
         self.spec_decode_metrics_level = getattr(obs, "per_request_spec_decode_metrics", "none")
@@ -163,6 +167,7 @@ class AtomScheduler(SchedulerInterface):
             enable_prefix_caching=bool(self.cache_config.enable_prefix_caching),
             enable_chunked_prefill=chunked,
             num_speculative_tokens=self.num_spec_tokens,
+            num_lookahead_tokens=self.num_lookahead_tokens,
             # Stops are per request (SamplingParams.stop_token_ids, EOS included): vLLM's EOS
             # comes with each request and may differ between them.
             eos_token_id=-1,
@@ -264,6 +269,13 @@ class AtomScheduler(SchedulerInterface):
                           "it serves text-only models.")
         spec = vllm_config.speculative_config
         if spec is not None:
+            if spec.method in ("eagle", "eagle3", "mtp", "dflash", "dspark"):
+                # They also drop a prefix hit's last block (vLLM's use_eagle_block_drop: the
+                # drafter recomputes its hidden states) and may need prefill lookahead.
+                raise _refuse(f"the speculative method {spec.method!r} (a drafter on the target's "
+                              "hidden states)",
+                              f"use {' or '.join(map(repr, _DRAFT_METHODS))} drafts or drop "
+                              "--speculative-config.")
             if spec.method not in _DRAFT_METHODS:
                 raise _refuse(f"the speculative method {spec.method!r}",
                               f"use {' or '.join(map(repr, _DRAFT_METHODS))} drafts or drop "
@@ -276,9 +288,9 @@ class AtomScheduler(SchedulerInterface):
             if not 1 <= k <= _MAX_DRAFTS:
                 raise _refuse(f"{k} speculative tokens a step",
                               f"use num_speculative_tokens 1..{_MAX_DRAFTS}.")
-            if int(getattr(vllm_config, "num_lookahead_tokens", 0) or 0):
-                raise _refuse("KV lookahead slots for a drafter (num_lookahead_tokens)",
-                              "use n-gram drafts.")
+            if int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0):
+                raise _refuse("prefill lookahead for a drafter (num_prefill_lookahead_tokens)",
+                              f"use {' or '.join(map(repr, _DRAFT_METHODS))} drafts.")
             if getattr(spec, "parallel_drafting", False):
                 raise _refuse("parallel drafting (input slots budgeted for the drafter)",
                               "drop parallel_drafting.")

@@ -32,6 +32,11 @@ void SchedulerConfig::validate() const {
   require(max_num_batched_tokens >= num_speculative_tokens + 1,
           "max_num_batched_tokens must be >= num_speculative_tokens + 1 (one decode row)" +
               got(int64_t{max_num_batched_tokens}));
+  require(num_lookahead_tokens >= 0 && num_lookahead_tokens <= num_speculative_tokens + 1,
+          "num_lookahead_tokens must be in 0..num_speculative_tokens + 1 (KV slots a drafter "
+          "writes past a row's tokens)" + got(int64_t{num_lookahead_tokens}));
+  require(num_lookahead_tokens == 0 || num_speculative_tokens > 0,
+          "num_lookahead_tokens needs num_speculative_tokens > 0 (the slots are a drafter's)");
   require(eos_token_id >= -1, "eos_token_id must be >= 0, or -1 for none" +
                                   got(int64_t{eos_token_id}));
   for (int32_t t : stop_token_ids)

@@ -527,6 +527,7 @@ std::optional<std::string> Scheduler::unschedulable_reason(const Request& r) con
     return "input tokens=" + std::to_string(r.num_prompt_tokens) + " > max_num_batched_tokens=" +
            std::to_string(config_.max_num_batched_tokens) +
            ". Increase max_num_batched_tokens, enable chunked prefill, or shorten the prompt.";
+  // (A drafter's lookahead never needs more: kv_slots_for() stops at the pool's positions.)
   const int32_t blocks = ceil_div(n, config_.block_size);
   if (blocks > pool_.num_usable_blocks())
     return "needs " + std::to_string(blocks) + " KV blocks for " + std::to_string(n) +
@@ -534,6 +535,11 @@ std::optional<std::string> Scheduler::unschedulable_reason(const Request& r) con
            " (num_blocks=" + std::to_string(pool_.num_blocks()) +
            " less the null block). Shorten the prompt or increase num_blocks.";
   return std::nullopt;
+}
+
+int32_t Scheduler::lookahead_blocks(const Request& r) const {
+  const int32_t bs = config_.block_size;
+  return ceil_div(kv_slots_for(r.num_tokens()), bs) - ceil_div(r.num_tokens(), bs);
 }
 
 int32_t Scheduler::probe_blocks(const Request& r) const {
@@ -620,8 +626,10 @@ void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
     // two batches outstanding it always has; this guard keeps the invariant explicit.
     if (r.num_inflight > 0) break;
     ensure_block_hashes(r, probe_blocks(r));
+    // The lookahead's blocks count as reserved: its prompt's last block is still never a hit.
+    const int32_t ahead = lookahead_blocks(r);
     const int32_t hits = pool_.can_allocate(r.block_hashes, r.tokens, r.num_tokens(), needs_state,
-                                            headroom(num_running()));
+                                            headroom(num_running()) + ahead);
     if (hits < 0) break;  // head-of-line blocking, as ATOM
     r.prefix_hit_tokens = hits * bs;
     // The connector is asked only once the request fits (ATOM asked before, 8.5).
@@ -649,6 +657,7 @@ void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
                          : chunk_of(r.num_tokens() - computed, budget - b.num_tokens, r.preempted);
     if (chunk == 0 && !match.load_async) break;
     pool_.allocate(r.block_hashes, hits, r.num_tokens(), r.block_table);
+    if (ahead > 0) pool_.grow(r.block_table, static_cast<int32_t>(r.block_table.size()) + ahead);
     r.table_changed();
     r.epoch = next_epoch_++;
     r.blocks_shipped = 0;
@@ -773,10 +782,12 @@ int32_t Scheduler::count_admittable_head_prefills(int32_t limit) {
     if (r.num_inflight > 0) break;
     ensure_block_hashes(r, probe_blocks(r));
     const int32_t reserve = headroom(num_running() + count);
+    const int32_t ahead = lookahead_blocks(r);
     const int32_t hits = pool_.can_allocate(r.block_hashes, r.tokens, r.num_tokens(),
-                                            config_.num_state_slots > 0, reserve);
+                                            config_.num_state_slots > 0, reserve + ahead);
     if (hits < 0) break;
-    const int32_t fresh = ceil_div(r.num_tokens(), bs) - hits;  // upper bound: hits may be shared
+    // Upper bound: hits may be shared.
+    const int32_t fresh = ceil_div(r.num_tokens(), bs) - hits + ahead;
     if (blocks_taken + fresh + reserve > pool_.num_free_blocks()) break;
     const int32_t chunk = chunk_of(r.num_tokens() - hits * bs, budget - tokens, r.preempted);
     if (chunk == 0) break;
@@ -866,8 +877,9 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
   for (size_t i = 0; i < running_.size(); ++i) {
     if (running_[i] == kRunningHole) continue;
     bool steady;
-    if constexpr (kSpec)
-      steady = steady_spec_row_tokens<kPow2>(requests_[running_[i]]) > 0;
+    if constexpr (kSpec)  // (the steady path reserves no lookahead: the general one does)
+      steady = config_.num_lookahead_tokens == 0 &&
+               steady_spec_row_tokens<kPow2>(requests_[running_[i]]) > 0;
     else
       steady = steady_.takes_row(i);
     if (b.num_rows < config_.max_num_seqs && steady) {
@@ -883,9 +895,9 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
     const int32_t n = decode_row_tokens<kSpec>(r);
     if (n == 0) continue;
     if (b.num_tokens + n > config_.max_num_batched_tokens) break;
-    // Exact reservation for this row's positions S .. S+n-1 (ATOM over- or under-reserved,
-    // 8.6/8.7).
-    const int32_t needed = blocks_in<kPow2>(r.num_computed_tokens + n);
+    // Exact reservation for this row's positions S .. S+n-1 and the drafter's lookahead (ATOM
+    // over- or under-reserved, 8.6/8.7).
+    const int32_t needed = blocks_in<kPow2>(kv_slots_for(r.num_computed_tokens + n));
     const int32_t have = r.table_size;
     if (have < needed && !pool_.grow(r.block_table, needed)) {
       // A victim's blocks would stay fenced while its rows fly: preempting frees nothing now,

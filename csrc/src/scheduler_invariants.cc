@@ -119,8 +119,9 @@ void Scheduler::check_invariants() const {
     }
     check(r.num_computed_tokens <= r.num_tokens() + r.num_inflight * (k_ + 1),
           who + "computed tokens beyond what is known or in flight");
-    check(static_cast<int32_t>(r.block_table.size()) >= ceil_div(r.num_computed_tokens, bs),
-          who + "block table does not cover the computed tokens");
+    check(static_cast<int32_t>(r.block_table.size()) >=
+              ceil_div(kv_slots_for(r.num_computed_tokens), bs),
+          who + "block table does not cover the computed tokens and the drafter's lookahead");
     check((r.state_slot >= 0) == (config_.num_state_slots > 0), who + "state slot mismatch");
     check(r.device_slot >= 0 && r.device_slot < config_.max_num_seqs &&
               !device_slot_used[r.device_slot],

@@ -380,6 +380,12 @@ class H {
       const int32_t need = (b.ctx[i] + bs - 1) / bs;
       const int32_t have = static_cast<int32_t>(r.block_table.size());
       EXPECT_GE(have, need) << "blocks do not cover the context";
+      // And the drafter's lookahead past it, up to the position limit (computed independently
+      // of the core's kv_slots_for()).
+      const int64_t limit = std::min<int64_t>(c.max_model_len, int64_t{c.num_blocks - 1} * bs);
+      const int64_t ahead = std::max<int64_t>(
+          b.ctx[i], std::min<int64_t>(int64_t{b.ctx[i]} + c.num_lookahead_tokens, limit));
+      EXPECT_GE(have, (ahead + bs - 1) / bs) << "blocks do not cover the drafter's lookahead";
       EXPECT_EQ(b.tables.size(), c.host_block_tables ? b.num_rows * size_t(b.width) : 0u);
       const V row = c.host_block_tables ? b.table(i) : V{};
       for (int32_t j = 0; j < static_cast<int32_t>(row.size()); ++j) {

@@ -23,7 +23,8 @@ class StandInRunner:
 
     def __init__(self, block_size: int, token: int = 7,
                  drafter: Callable[[str], list[int]] | None = None,
-                 drafts_on_device: bool = False) -> None:
+                 drafts_on_device: bool = False, lookahead: int = 0,
+                 position_limit: int = 1 << 30) -> None:
         self.block_size = block_size
         self.token = token
         self.blocks: dict[str, list[int]] = {}
@@ -38,6 +39,10 @@ class StandInRunner:
         # placeholders (-1); missing ones are never accepted.
         self.drafts_on_device = drafts_on_device
         self.device_drafts: dict[str, list[int]] = {}
+        # A draft model writes KV for its proposals past a row's positions: `lookahead` slots
+        # more, below `position_limit` (vLLM's num_lookahead_tokens, capped at max_model_len).
+        self.lookahead = lookahead
+        self.position_limit = position_limit
 
     def step(self, out: Any, token: int | None = None) -> Any:
         from vllm.v1.outputs import ModelRunnerOutput
@@ -68,6 +73,8 @@ class StandInRunner:
             blocks = self.blocks[rid]
             assert 0 not in blocks, "the null block was handed out"
             assert len(blocks) * self.block_size >= end, "positions without a block"
+            ahead = max(end, min(end + self.lookahead, self.position_limit))
+            assert len(blocks) * self.block_size >= ahead, "the drafter's lookahead has no block"
             req_ids.append(rid)
             drafts = out.scheduled_spec_decode_tokens.get(rid, [])
             if self.drafts_on_device and drafts:

@@ -161,6 +161,24 @@ def test_ngram_speculative_decoding_gives_vllms_answers():
     assert stats["num_finished"] == len(SAMPLING) and ours["kv_usage_end"] == 0.0
 
 
+def test_draft_model_speculative_decoding_gives_vllms_answers():
+    """vLLM's draft-model drafter (SmolLM2 drafting for itself, three tokens a step): it writes
+    KV for its proposals past each row's verified tokens, into the slots the core reserves ahead
+    (num_lookahead_tokens); with prefix caching, chunked prefill and every stop rule, the same
+    tokens and stops as vLLM's scheduler with the same drafter. One request at a time, as the
+    n-gram test (vLLM's CPU runner with drafts in a batch of several)."""
+    one_at_a_time = {**PREFIX_CHUNKED, "max_num_seqs": 1}
+    ours = run("atom", one_at_a_time, draft_model_tokens=3)
+    theirs = run("vllm", one_at_a_time, draft_model_tokens=3)
+    stats = ours["core_stats"]
+    print(f"drafts verified {stats['num_draft_tokens']}, accepted "
+          f"{stats['num_accepted_draft_tokens']}")
+    assert stats["num_accepted_draft_tokens"] > 0
+    _same_answers(ours, theirs)
+    _check_stop_rules(ours["outputs"])
+    assert stats["num_finished"] == len(SAMPLING) and ours["kv_usage_end"] == 0.0
+
+
 # Structured output (vLLM's grammar backend builds the bitmask of the rows this class
 # schedules, and advances each grammar with the tokens the core accepts).
 CITY = {"type": "object", "properties": {"city": {"type": "string"},
@@ -313,7 +331,10 @@ def test_accepts_a_plain_config_and_sizes_the_core_from_it():
 
 @pytest.mark.parametrize("override, words", [
     ({"speculative_config": SimpleNamespace(method="eagle")}, "speculative method 'eagle'"),
-    ({"speculative_config": SimpleNamespace(method="draft_model")}, "method 'draft_model'"),
+    ({"speculative_config": SimpleNamespace(method="mtp")}, "target's hidden states"),
+    ({"speculative_config": SimpleNamespace(method="suffix")}, "method 'suffix'"),
+    ({"speculative_config": SimpleNamespace(method="draft_model"), "num_speculative_tokens": 3,
+      "num_prefill_lookahead_tokens": 2}, "prefill lookahead"),
     ({"speculative_config": SimpleNamespace(method="ngram"), "num_speculative_tokens": 9},
      "9 speculative tokens"),
     ({"speculative_config": SimpleNamespace(method="ngram",
@@ -983,7 +1004,8 @@ def test_random_streams_keep_every_invariant_against_a_stand_in_runner(seed):
     """The features together, on random streams: arrivals over time, prompts of 5 to 70 tokens
     in a pool of seven 16-token blocks (preemption), one in ten longer (rejected), aborts of
     live requests (in flight too), two LoRA adapters with max_loras = 1, and per seed either
-    n-gram-style drafts (some right, some wrong) or async scheduling. After every call the
+    drafts (some right, some wrong; every other such seed a draft model's, with KV lookahead
+    slots the runner checks) or async scheduling. After every call the
     core's invariants hold; no step schedules two adapters; every request that was not aborted
     ends with exactly its max_tokens tokens or is rejected whole; nothing is left behind."""
     import random
@@ -1001,13 +1023,18 @@ def test_random_streams_keep_every_invariant_against_a_stand_in_runner(seed):
     over = {"lora_config": SimpleNamespace(max_loras=1),
             "scheduler_config__max_num_seqs": 4, "scheduler_config__max_num_batched_tokens": 32,
             "scheduler_config__async_scheduling": use_async}
+    lookahead = k if seed % 4 == 0 else 0  # a draft model's (vLLM: K slots), else n-gram's
     if k:
-        over.update(speculative_config=SimpleNamespace(method="ngram"), num_speculative_tokens=k)
+        method = "draft_model" if lookahead else "ngram"
+        over.update(speculative_config=SimpleNamespace(method=method), num_speculative_tokens=k,
+                    num_lookahead_tokens=lookahead)
     cfg, kv = _config(**over)
     kv.num_blocks = 8
     s = AtomScheduler(cfg, kv, None, block_size=16)
+    assert s.core_config.num_lookahead_tokens == lookahead
     loras = [None, LoRARequest("A", 1, "/a"), LoRARequest("B", 2, "/b")]
-    runner = StandInRunner(16, drafter=lambda rid: [7, rng.choice([7, 9])][:rng.randint(0, k)])
+    runner = StandInRunner(16, drafter=lambda rid: [7, rng.choice([7, 9])][:rng.randint(0, k)],
+                           lookahead=lookahead, position_limit=7 * 16)
     want, got, ended, aborted, adapter = {}, {}, {}, set(), {}
     queue: deque = deque()
     next_id = 0

@@ -131,6 +131,11 @@ def main() -> None:
         llm_args["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=free_tcp_endpoint(),
             replay_endpoint=replay, topic="kv")
+    if cfg.get("draft_model_tokens"):
+        # vLLM's draft-model drafter, the model itself as the draft model (the only one here):
+        # it writes KV for its K proposals past each row's tokens (num_lookahead_tokens = K).
+        llm_args["speculative_config"] = {"method": "draft_model", "model": path,
+                                          "num_speculative_tokens": cfg["draft_model_tokens"]}
     if cfg.get("kv_store"):
         # vLLM's ExampleConnector: each prompt's KV (whole blocks, all but its last token) saved
         # to files in this folder, and loaded from there by any engine that sees it again.

@@ -47,6 +47,10 @@ struct SchedulerConfig {
   bool enable_prefix_caching = true;
   bool enable_chunked_prefill = true;
   int32_t num_speculative_tokens = 0;  // K: drafts verified per decode row (0..8)
+  // KV slots a request holds past the tokens it is scheduled for, for a drafter that writes KV
+  // ahead of the verified tokens (vLLM's num_lookahead_tokens: K for a draft model), capped at
+  // the position limit. 0..K+1, and only with K > 0.
+  int32_t num_lookahead_tokens = 0;
   int32_t eos_token_id = -1;           // -1: no EOS
   std::vector<int32_t> stop_token_ids;  // stop tokens for every request (in addition to EOS)
   double scheduler_delay_factor = 0.0;  // > 0 delays admission as ATOM does (seconds ratio)

@@ -358,6 +358,15 @@ class Scheduler {
   [[nodiscard]] int32_t blocks_in(int32_t n) const noexcept {
     return block_in<kPow2>(n + config_.block_size - 1);
   }
+  /// KV slots a request must hold to run its first `tokens` positions: those, plus the drafter's
+  /// lookahead (num_lookahead_tokens) up to the position limit. The one rule every reservation
+  /// (admission, decode rows, the invariant checker) applies.
+  [[nodiscard]] int32_t kv_slots_for(int32_t tokens) const noexcept {
+    const int32_t ahead = config_.num_lookahead_tokens;
+    return ahead == 0 ? tokens : std::max(tokens, std::min(tokens + ahead, position_limit_));
+  }
+  /// The blocks admission takes for `r` beyond those of its tokens (the lookahead's).
+  [[nodiscard]] int32_t lookahead_blocks(const Request& r) const;
   /// The token count at which a length rule (max_tokens, max_model_len, kv_capacity) ends it.
   [[nodiscard]] int32_t final_length(const Request& r) const;
   /// The admission chunk rule of this configuration (policy.h).
