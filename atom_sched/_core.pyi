@@ -51,6 +51,7 @@ class SchedulerConfig:
     fence_freed_blocks: bool
     drop_preempted_outputs: bool
     num_lookahead_tokens: int
+    draft_slots_per_row: int
     def __init__(
         self,
         num_blocks: int,
@@ -80,6 +81,7 @@ class SchedulerConfig:
         fence_freed_blocks: bool = False,
         drop_preempted_outputs: bool = False,
         num_lookahead_tokens: int = 0,
+        draft_slots_per_row: int = 0,
     ) -> None: ...
     def validate(self) -> None: ...
     @property

@@ -155,6 +155,16 @@ class AtomScheduler(SchedulerInterface):
         # reserved by the core (num_lookahead_tokens: K for a draft model, else 0).
         self.num_spec_tokens = int(getattr(vllm_config, "num_speculative_tokens", 0) or 0)
         self.num_lookahead_tokens = int(getattr(vllm_config, "num_lookahead_tokens", 0) or 0)
+        # A draft model reads one input token more than a row schedules, parallel drafting K - 1
+        # or K more (vLLM's max_num_new_slots_for_drafting): vLLM charges each row that many of
+        # max_num_batched_tokens (its input budget) on top of its tokens, and so does the core.
+        spec = vllm_config.speculative_config
+        self.draft_slots_per_row = int(getattr(spec, "max_num_new_slots_for_drafting", 0) or 0)
+        core_budget = int(budget)
+        if self.draft_slots_per_row:
+            # One budget in the core: the input budget, or the scheduled-token cap if it is
+            # lower (then stricter than vLLM, which applies the slots to the input budget only).
+            core_budget = min(core_budget, int(sc.max_num_batched_tokens))
         # Per-request acceptance metrics in the response (vLLM's observability option).
         obs = getattr(vllm_config, "observability_config", None)
         self.spec_decode_metrics_level = getattr(obs, "per_request_spec_decode_metrics", "none")
@@ -162,12 +172,13 @@ class AtomScheduler(SchedulerInterface):
             num_blocks=num_blocks,
             block_size=block_size,
             max_num_seqs=self.max_num_active_reqs,
-            max_num_batched_tokens=budget,
+            max_num_batched_tokens=core_budget,
             max_model_len=self.max_model_len,
             enable_prefix_caching=bool(self.cache_config.enable_prefix_caching),
             enable_chunked_prefill=chunked,
             num_speculative_tokens=self.num_spec_tokens,
             num_lookahead_tokens=self.num_lookahead_tokens,
+            draft_slots_per_row=self.draft_slots_per_row,
             # Stops are per request (SamplingParams.stop_token_ids, EOS included): vLLM's EOS
             # comes with each request and may differ between them.
             eos_token_id=-1,
@@ -291,9 +302,6 @@ class AtomScheduler(SchedulerInterface):
             if int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0):
                 raise _refuse("prefill lookahead for a drafter (num_prefill_lookahead_tokens)",
                               f"use {' or '.join(map(repr, _DRAFT_METHODS))} drafts.")
-            if getattr(spec, "parallel_drafting", False):
-                raise _refuse("parallel drafting (input slots budgeted for the drafter)",
-                              "drop parallel_drafting.")
         kv_transfer = vllm_config.kv_transfer_config
         if kv_transfer is not None and kv_transfer.kv_load_failure_policy != "fail":
             raise _refuse(f"kv_load_failure_policy={kv_transfer.kv_load_failure_policy!r} (a "

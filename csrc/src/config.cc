@@ -37,6 +37,13 @@ void SchedulerConfig::validate() const {
           "writes past a row's tokens)" + got(int64_t{num_lookahead_tokens}));
   require(num_lookahead_tokens == 0 || num_speculative_tokens > 0,
           "num_lookahead_tokens needs num_speculative_tokens > 0 (the slots are a drafter's)");
+  require(draft_slots_per_row >= 0 && draft_slots_per_row <= num_speculative_tokens,
+          "draft_slots_per_row must be in 0..num_speculative_tokens (a drafter's input tokens "
+          "a row)" + got(int64_t{draft_slots_per_row}));
+  require(int64_t{max_num_batched_tokens} >=
+              int64_t{num_speculative_tokens} + 1 + draft_slots_per_row,
+          "max_num_batched_tokens must be >= num_speculative_tokens + 1 + draft_slots_per_row "
+          "(one decode row and its drafter's inputs)" + got(int64_t{max_num_batched_tokens}));
   require(eos_token_id >= -1, "eos_token_id must be >= 0, or -1 for none" +
                                   got(int64_t{eos_token_id}));
   for (int32_t t : stop_token_ids)

@@ -523,8 +523,12 @@ std::optional<std::string> Scheduler::unschedulable_reason(const Request& r) con
            ". Increase max_model_len or shorten the prompt.";
   // ATOM checked num_tokens here, so a preempted request that had grown past the budget was
   // rejected on readmission (8.9); a preempted request is re-prefilled in chunks instead.
-  if (!config_.enable_chunked_prefill && r.num_prompt_tokens > config_.max_num_batched_tokens)
-    return "input tokens=" + std::to_string(r.num_prompt_tokens) + " > max_num_batched_tokens=" +
+  // (A row also takes its drafter's input slots: row_token_room().)
+  if (!config_.enable_chunked_prefill &&
+      r.num_prompt_tokens + config_.draft_slots_per_row > config_.max_num_batched_tokens)
+    return "input tokens=" + std::to_string(r.num_prompt_tokens) +
+           (config_.draft_slots_per_row ? " and the drafter's inputs" : "") +
+           " > max_num_batched_tokens=" +
            std::to_string(config_.max_num_batched_tokens) +
            ". Increase max_num_batched_tokens, enable chunked prefill, or shorten the prompt.";
   // (A drafter's lookahead never needs more: kv_slots_for() stops at the pool's positions.)
@@ -578,7 +582,6 @@ PrefillChunk Scheduler::prefill_chunk() const {
 }
 
 void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
-  const int32_t budget = config_.max_num_batched_tokens;
   const int32_t max_rows = config_.max_num_seqs;
   const PrefillChunk chunk_of = prefill_chunk();
 
@@ -587,8 +590,8 @@ void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
   for (size_t i = 0; i < partial_.size() && b.num_rows < max_rows;) {
     const int32_t s = partial_[i];
     const Request& r = requests_[s];
-    const int32_t chunk = chunk_of(r.prefill_target - r.num_computed_tokens,
-                                   budget - b.num_tokens, /*must_chunk=*/true);
+    const int32_t chunk = chunk_of(r.prefill_target - r.num_computed_tokens, row_token_room(b),
+                                   /*must_chunk=*/true);
     if (chunk <= 0) break;
     add_prefill_row(b, s, chunk);
     if (i < partial_.size() && partial_[i] == s) ++i;  // still partial; else it left partial_
@@ -612,7 +615,7 @@ void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
   std::vector<int32_t>& skipped = admission_skipped_;
   skipped.clear();
   while (waiting_.size > static_cast<int32_t>(skipped.size()) && b.num_rows < max_rows &&
-         num_running() < max_rows && b.num_tokens < budget) {
+         num_running() < max_rows && row_token_room(b) > 0) {
     const int32_t s = fair            ? fair_pick(tenant_counters_, skipped)
                       : skipped.empty() ? waiting_.head
                                         : links_[skipped.back()].next;
@@ -654,7 +657,7 @@ void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
     // A request waiting for its KV computes nothing yet: it takes no budget.
     const int32_t chunk =
         match.load_async ? 0
-                         : chunk_of(r.num_tokens() - computed, budget - b.num_tokens, r.preempted);
+                         : chunk_of(r.num_tokens() - computed, row_token_room(b), r.preempted);
     if (chunk == 0 && !match.load_async) break;
     pool_.allocate(r.block_hashes, hits, r.num_tokens(), r.block_table);
     if (ahead > 0) pool_.grow(r.block_table, static_cast<int32_t>(r.block_table.size()) + ahead);
@@ -789,7 +792,9 @@ int32_t Scheduler::count_admittable_head_prefills(int32_t limit) {
     // Upper bound: hits may be shared.
     const int32_t fresh = ceil_div(r.num_tokens(), bs) - hits + ahead;
     if (blocks_taken + fresh + reserve > pool_.num_free_blocks()) break;
-    const int32_t chunk = chunk_of(r.num_tokens() - hits * bs, budget - tokens, r.preempted);
+    // (Every row takes its drafter's input slots too: row_token_room().)
+    const int32_t room = budget - tokens - (count + 1) * config_.draft_slots_per_row;
+    const int32_t chunk = chunk_of(r.num_tokens() - hits * bs, room, r.preempted);
     if (chunk == 0) break;
     blocks_taken += fresh;
     tokens += chunk;
@@ -877,8 +882,8 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
   for (size_t i = 0; i < running_.size(); ++i) {
     if (running_[i] == kRunningHole) continue;
     bool steady;
-    if constexpr (kSpec)  // (the steady path reserves no lookahead: the general one does)
-      steady = config_.num_lookahead_tokens == 0 &&
+    if constexpr (kSpec)  // (the steady path knows no drafter's lookahead or input slots)
+      steady = (config_.num_lookahead_tokens | config_.draft_slots_per_row) == 0 &&
                steady_spec_row_tokens<kPow2>(requests_[running_[i]]) > 0;
     else
       steady = steady_.takes_row(i);
@@ -894,7 +899,7 @@ int32_t Scheduler::schedule_decode_rows(Batch& b) {
     if (r.is_partial_prefill()) continue;  // never decode a half-prefilled prompt (8.3)
     const int32_t n = decode_row_tokens<kSpec>(r);
     if (n == 0) continue;
-    if (b.num_tokens + n > config_.max_num_batched_tokens) break;
+    if (n > row_token_room(b)) break;
     // Exact reservation for this row's positions S .. S+n-1 and the drafter's lookahead (ATOM
     // over- or under-reserved, 8.6/8.7).
     const int32_t needed = blocks_in<kPow2>(kv_slots_for(r.num_computed_tokens + n));

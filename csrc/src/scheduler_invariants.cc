@@ -38,7 +38,9 @@ void Scheduler::check_invariants() const {
     const Batch& b = batches_[buffer];
     const std::vector<int64_t>& victims = step_victims_[buffer];
     check(b.num_rows <= config_.max_num_seqs, "batch has more rows than max_num_seqs");
-    check(b.num_tokens <= config_.max_num_batched_tokens, "batch exceeds the token budget");
+    check(b.num_tokens + b.num_rows * config_.draft_slots_per_row <=
+              config_.max_num_batched_tokens,
+          "batch exceeds the token budget (its rows' drafter inputs included)");
     for (int32_t row = 0; row < b.num_rows; ++row) {
       ++inflight[b.request_index[row]];
       // A step that preempted schedules none of its victims and admits nothing from waiting (an

@@ -192,7 +192,11 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
     // (Not from rng: the other seeds' streams stay as they were.)
     c.fence_freed_blocks = seed % 3 == 0;
     c.drop_preempted_outputs = seed % 4 == 1;
-    if (seed % 5 == 2) c.num_lookahead_tokens = c.num_speculative_tokens;  // a draft model's
+    // A draft model's needs: KV slots ahead, and an input slot a row (when the budget takes a
+    // decode row and its slot).
+    if (seed % 5 == 2) c.num_lookahead_tokens = c.num_speculative_tokens;
+    if (seed % 2 == 0 && c.max_num_batched_tokens >= c.num_speculative_tokens + 2)
+      c.draft_slots_per_row = std::min(c.num_speculative_tokens, 1);
     const int32_t k = c.num_speculative_tokens;
     H h(c);
     h.check_device_plan = check_plan;

@@ -749,3 +749,36 @@ def test_a_schedule_that_returns_none_keeps_the_previous_batch_readable():
     s.add_request(1, [9, 9, 9])
     assert s.schedule(allow_prefill=False) is None  # fills b1's buffer, finds no row
     assert (b1.num_rows, b1.is_prefill, b1.positions.tolist()) == (1, True, [0, 1, 2, 3, 4])
+
+
+def test_num_lookahead_tokens_reserves_a_drafters_slots_and_is_validated():
+    """A draft model writes KV past each row's tokens (vLLM's num_lookahead_tokens): the
+    batch's block table already holds those slots' blocks."""
+    cfg = SchedulerConfig(num_blocks=32, block_size=4, num_speculative_tokens=3,
+                          num_lookahead_tokens=3, max_model_len=64)
+    assert cfg.num_lookahead_tokens == 3
+    s = Scheduler(cfg)
+    s.add_request(0, list(range(10, 18)), SamplingParams(max_tokens=4))
+    b = s.schedule()
+    assert (b.block_tables[0] != 0).sum() == 3  # 8 tokens + 3 slots ahead: 11, three blocks
+    for bad, words in [(dict(num_speculative_tokens=0, num_lookahead_tokens=1), "needs"),
+                       (dict(num_speculative_tokens=2, num_lookahead_tokens=4), "0..num_spec"),
+                       (dict(num_speculative_tokens=2, num_lookahead_tokens=-1), "0..num_spec")]:
+        with pytest.raises(ValueError, match=f"num_lookahead_tokens.*{words}"):
+            Scheduler(SchedulerConfig(num_blocks=32, **bad))
+
+
+def test_draft_slots_per_row_take_budget_and_are_validated():
+    """A drafter that reads a token more than each row schedules (vLLM's draft models): every
+    row takes that much of max_num_batched_tokens too."""
+    cfg = SchedulerConfig(num_blocks=64, block_size=4, num_speculative_tokens=2,
+                          draft_slots_per_row=1, max_num_batched_tokens=16)
+    s = Scheduler(cfg)
+    s.add_request(0, list(range(10, 50)), SamplingParams(max_tokens=2))
+    b = s.schedule()
+    assert b.num_tokens == 15  # 16 less the row's input slot
+    for bad, words in [(dict(num_speculative_tokens=0, draft_slots_per_row=1), "0..num_spec"),
+                       (dict(num_speculative_tokens=2, max_num_batched_tokens=3,
+                             draft_slots_per_row=1), "max_num_batched_tokens must be")]:
+        with pytest.raises(ValueError, match=words):
+            Scheduler(SchedulerConfig(num_blocks=32, **bad))

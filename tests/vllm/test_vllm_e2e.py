@@ -1024,14 +1024,17 @@ def test_random_streams_keep_every_invariant_against_a_stand_in_runner(seed):
             "scheduler_config__max_num_seqs": 4, "scheduler_config__max_num_batched_tokens": 32,
             "scheduler_config__async_scheduling": use_async}
     lookahead = k if seed % 4 == 0 else 0  # a draft model's (vLLM: K slots), else n-gram's
+    slots = 1 if lookahead else 0  # a draft model's input slot a row
     if k:
         method = "draft_model" if lookahead else "ngram"
-        over.update(speculative_config=SimpleNamespace(method=method), num_speculative_tokens=k,
-                    num_lookahead_tokens=lookahead)
+        over.update(speculative_config=SimpleNamespace(
+            method=method, max_num_new_slots_for_drafting=slots), num_speculative_tokens=k,
+            num_lookahead_tokens=lookahead)
     cfg, kv = _config(**over)
     kv.num_blocks = 8
     s = AtomScheduler(cfg, kv, None, block_size=16)
     assert s.core_config.num_lookahead_tokens == lookahead
+    assert s.core_config.draft_slots_per_row == slots
     loras = [None, LoRARequest("A", 1, "/a"), LoRARequest("B", 2, "/b")]
     runner = StandInRunner(16, drafter=lambda rid: [7, rng.choice([7, 9])][:rng.randint(0, k)],
                            lookahead=lookahead, position_limit=7 * 16)
@@ -1069,6 +1072,9 @@ def test_random_streams_keep_every_invariant_against_a_stand_in_runner(seed):
             s.core.check_invariants()
             names = {adapter[r].lora_name for r in out.num_scheduled_tokens if adapter[r]}
             assert len(names) <= 1, names
+            # The runner's input buffers: the rows' tokens and their drafter's input slots.
+            rows = len(out.num_scheduled_tokens)
+            assert out.total_num_scheduled_tokens + rows * slots <= 32
             queue.append(out)
             if use_async and out.total_num_scheduled_tokens and len(queue) < 2:
                 continue

@@ -51,6 +51,10 @@ struct SchedulerConfig {
   // ahead of the verified tokens (vLLM's num_lookahead_tokens: K for a draft model), capped at
   // the position limit. 0..K+1, and only with K > 0.
   int32_t num_lookahead_tokens = 0;
+  // Tokens of max_num_batched_tokens each row also takes for its drafter's inputs (vLLM's
+  // max_num_new_slots_for_drafting: 1 for a draft model, which reads a row's tokens and one
+  // more). 0..K, and only with K > 0.
+  int32_t draft_slots_per_row = 0;
   int32_t eos_token_id = -1;           // -1: no EOS
   std::vector<int32_t> stop_token_ids;  // stop tokens for every request (in addition to EOS)
   double scheduler_delay_factor = 0.0;  // > 0 delays admission as ATOM does (seconds ratio)

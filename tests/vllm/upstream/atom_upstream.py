@@ -78,8 +78,6 @@ EXPECTED: list[tuple[str, str, str]] = [
     (S + "test_diffusion_scheduler_is_selected_by_default*", "refused",
      "diffusion language models (vLLM's DiffusionScheduler)"),
     (S + "test_pooling_*", "refused", "pooling models"),
-    (S + "test_draft_slots_budgeted_per_scheduled_request", "refused",
-     "parallel drafting (input slots budgeted for the drafter)"),
     (S + "test_spec_decode_padding_dropped_when_recurrent_alignment_clips", "whitebox",
      "calls the private _mamba_block_aligned_split (Mamba alignment)"),
     (S + "test_scheduler_*_connector_stats", "whitebox",

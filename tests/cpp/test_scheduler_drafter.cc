@@ -1,6 +1,7 @@
-// num_lookahead_tokens: the KV slots a drafter writes past a row's tokens (vLLM's draft models)
-// are reserved at admission and by every decode row, up to the position limit; the prompt's
-// last block is still never a prefix hit.
+// What a drafter with its own KV (vLLM's draft models) needs from the scheduler:
+// num_lookahead_tokens, the KV slots it writes past a row's tokens, reserved at admission and by
+// every decode row up to the position limit (the prompt's last block still never a prefix hit);
+// draft_slots_per_row, the tokens of the batch budget each row also takes for its inputs.
 #include <gtest/gtest.h>
 
 #include "scheduler_harness.h"
@@ -98,6 +99,66 @@ TEST(LookaheadTest, ConfigRefusesLookaheadWithoutDraftsOrPastKPlusOne) {
   EXPECT_THROW(c.validate(), InvalidArgument);
   c = LookaheadCfg(8, 2, 3);  // K + 1: vLLM's DFlash
   EXPECT_NO_THROW(c.validate());
+}
+
+SchedulerConfig DraftSlotsCfg(int32_t budget, int32_t k, int32_t slots) {
+  SchedulerConfig c = SpecCfg(64, k);
+  c.max_num_batched_tokens = budget;
+  c.draft_slots_per_row = slots;
+  return c;
+}
+
+TEST(DraftSlotsTest, APromptChunkLeavesTheDraftersInputSlot) {
+  for (int32_t slots : {0, 1}) {
+    SCOPED_TRACE(testing::Message() << "slots " << slots);
+    H h(DraftSlotsCfg(16, 3, slots));
+    h.add(0, Seq(1, 40), P(2));
+    h.add(1, Seq(100, 40), P(2));
+    auto b = h.sched();
+    ASSERT_TRUE(b);
+    EXPECT_EQ(b->nsched, V{16 - slots});  // the second prompt gets no room at all
+  }
+}
+
+TEST(DraftSlotsTest, DecodeRowsTakeTheirInputSlotsFromTheBudget) {
+  for (int32_t slots : {0, 1}) {
+    SCOPED_TRACE(testing::Message() << "slots " << slots);
+    SchedulerConfig c = DraftSlotsCfg(12, 3, slots);
+    c.policy = BatchPolicy::kMixed;
+    H h(c);
+    for (int64_t id = 0; id < 3; ++id) h.add(id, Seq(10 * static_cast<int32_t>(id) + 1, 3), P(8));
+    auto b1 = h.sched();  // three prompts of 3 tokens: 9 tokens, + 3 slots = 12
+    ASSERT_TRUE(b1);
+    EXPECT_EQ(b1->num_rows, 3);
+    h.upd(*b1, V(12, 5), {1, 1, 1}, V(9, 5));  // each proposes 3 drafts
+    auto b2 = h.sched();  // rows of 4 tokens: three fit 12 alone, two with a slot each (10)
+    ASSERT_TRUE(b2);
+    EXPECT_EQ(b2->num_rows, slots ? 2 : 3);
+    EXPECT_LE(b2->num_tokens + b2->num_rows * slots, 12);
+  }
+}
+
+TEST(DraftSlotsTest, AWholePromptMustFitWithItsSlotWithoutChunkedPrefill) {
+  SchedulerConfig c = DraftSlotsCfg(16, 2, 1);
+  c.enable_chunked_prefill = false;
+  H h(c);
+  h.add(0, Seq(1, 16), P(2));  // 16 tokens fill the budget: no room for the drafter's input
+  h.add(1, Seq(100, 15), P(2));
+  auto b = h.sched();
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->req_ids, V64{1});
+  const auto rejected = h.s.take_rejected();
+  ASSERT_EQ(rejected.size(), 1u);
+  EXPECT_NE(rejected[0].reason.find("and the drafter's inputs"), std::string::npos)
+      << rejected[0].reason;
+}
+
+TEST(DraftSlotsTest, ConfigRefusesSlotsWithoutDraftsPastKOrPastTheBudget) {
+  EXPECT_THROW(DraftSlotsCfg(16, 0, 1).validate(), InvalidArgument);
+  EXPECT_THROW(DraftSlotsCfg(16, 2, 3).validate(), InvalidArgument);
+  EXPECT_THROW(DraftSlotsCfg(16, 2, -1).validate(), InvalidArgument);
+  EXPECT_THROW(DraftSlotsCfg(3, 2, 1).validate(), InvalidArgument);  // a decode row needs 4
+  EXPECT_NO_THROW(DraftSlotsCfg(4, 2, 1).validate());
 }
 
 }  // namespace
