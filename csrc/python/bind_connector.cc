@@ -67,20 +67,18 @@ class PyKvConnector : public KvConnector {
     py::gil_scoped_acquire gil;
     py::object res = call("get_num_new_matched_tokens", copy_of(r));
     if (py::isinstance<RemoteMatch>(res)) return res.cast<RemoteMatch>();
+    // ATOM's and vLLM's shape: (num_tokens, load_async); vLLM's "cannot tell yet": None or
+    // (None, _).
     RemoteMatch m;
-    if (res.is_none()) {  // vLLM's shape for "cannot tell yet"
+    const bool pair = py::isinstance<py::tuple>(res) && py::len(res) == 2;
+    if (res.is_none() || (pair && res.cast<py::tuple>()[0].is_none())) {
       m.retry_later = true;
       return m;
     }
-    // ATOM's and vLLM's shape: (num_tokens, load_async); vLLM's (None, _) is "cannot tell yet".
-    if (!py::isinstance<py::tuple>(res) || py::len(res) != 2)
+    if (!pair)
       throw std::runtime_error("get_num_new_matched_tokens must return a RemoteMatch, "
                                "(num_tokens, load_async) or None");
     auto t = res.cast<py::tuple>();
-    if (t[0].is_none()) {
-      m.retry_later = true;
-      return m;
-    }
     m.num_tokens = t[0].cast<int32_t>();
     m.load_async = t[1].cast<bool>();
     return m;

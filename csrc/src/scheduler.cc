@@ -238,7 +238,7 @@ void Scheduler::add_running(int32_t slot) {
 void Scheduler::remove_running(Request& r) {
   // The admission ends: what it computed counts against its tenant's share (hits were free).
   if (fair_share())
-    tenants_.charge(r.tenant, std::max(0, r.num_computed_tokens - r.prefix_hit_tokens));
+    tenants_.charge(r.tenant, r.computed_here());
   const int32_t pos = r.run_pos;
   r.run_pos = -1;
   if (pos + 1 < static_cast<int32_t>(running_.size())) {
@@ -336,6 +336,7 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.num_inflight = 0;
   r.num_prompt_tokens = static_cast<int32_t>(prompt.size());
   r.prefix_hit_tokens = 0;
+  r.loaded_tokens = 0;
   r.state_slot = -1;
   r.epoch = 0;
   r.temperature = params.temperature;
@@ -696,6 +697,7 @@ void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
     if (needs_state) r.state_slot = pool_.take_state_slot();
     take_device_slot(r);
     r.num_computed_tokens = computed;  // the external tokens' KV loads before this step runs
+    r.loaded_tokens = computed - hits * bs;
     r.status = RequestStatus::kRunning;
     add_running(s);
     track_partial(s);  // always partial here: the last token is always computed
@@ -717,7 +719,7 @@ void Scheduler::update_tenant_counters() {
   for (int32_t s : running_)
     if (s != kRunningHole) {
       const Request& r = requests_[s];
-      tenant_counters_[r.tenant] += std::max(0, r.num_computed_tokens - r.prefix_hit_tokens);
+      tenant_counters_[r.tenant] += r.computed_here();
     }
   for (int32_t t = 0; t < tenants_.size(); ++t)
     tenant_counters_[t] = (tenant_counters_[t] + tenants_.charged(t)) / tenants_.weight(t);

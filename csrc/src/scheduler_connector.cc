@@ -121,6 +121,7 @@ void Scheduler::start_remote_decode(int32_t slot) {
   ++stats_.num_remote_prefills;
   if (!decodes) {
     r.num_computed_tokens = r.remote_computed;
+    r.loaded_tokens = r.remote_computed - r.prefix_hit_tokens;
     add_running(slot);
     track_partial(slot);
     return;
@@ -144,6 +145,8 @@ void Scheduler::start_remote_decode(int32_t slot) {
   if (r.pending_stop != FinishReason::kNone && r.num_computed_tokens >= position_limit_)
     r.num_computed_tokens = r.num_prompt_tokens - 1;
   r.prefill_target = r.num_computed_tokens;
+  // Its prompt's KV came from elsewhere but for its local hits (the re-forwarded token too).
+  r.loaded_tokens = std::max(0, r.num_computed_tokens - r.prefix_hit_tokens);
   add_running(slot);
 }
 

@@ -224,5 +224,36 @@ TEST(PausedNewTest, OnlyRequestsAlreadyHoldingKvAreServed) {
   EXPECT_EQ(b->req_ids, V64{2});
 }
 
+// Fair share charges a tenant what this engine computed for it: not the tokens a connector
+// loaded. Tenant a's prompt of 12 tokens has 11 loaded (1 computed here), b's 4 tokens are all
+// computed: with one slot left, a is the less served and its next request goes first.
+TEST(ExternalKvTest, FairShareDoesNotChargeLoadedTokens) {
+  SchedulerConfig c = Cfg(32);
+  c.scheduling = SchedulingPolicy::kFairShare;
+  c.enable_prefix_caching = false;
+  c.max_num_seqs = 3;
+  H h(c);
+  auto conn = std::make_shared<ExternalConnector>();
+  h.s.set_kv_connector(conn);
+  auto of = [](const char* tenant) {
+    SamplingParams p = P(8);
+    p.tenant = tenant;
+    return p;
+  };
+  conn->answers[1] = Ext(11, false);
+  h.add(1, Seq(1, 12), of("a"));
+  h.add(2, Seq(100, 4), of("b"));
+  auto b1 = h.sched();
+  ASSERT_TRUE(b1);
+  EXPECT_EQ(b1->req_ids, (V64{1, 2}));
+  EXPECT_EQ(b1->nsched, (V{1, 4}));
+  h.add(3, Seq(200, 4), of("b"));  // b's first, in arrival order
+  h.add(4, Seq(300, 4), of("a"));
+  h.upd(*b1, {5, 6});
+  auto b2 = h.sched();
+  ASSERT_TRUE(b2);
+  EXPECT_EQ(b2->req_ids, (V64{4}));
+}
+
 }  // namespace
 }  // namespace atom_sched

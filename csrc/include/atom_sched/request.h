@@ -95,6 +95,7 @@ struct alignas(64) Request {
   FinishReason finish_reason = FinishReason::kNone;
   int32_t stop_token = -1;
   int32_t remote_first_token = -1;      // the producer's first token, injected when the KV arrives
+  int32_t loaded_tokens = 0;    // tokens whose KV a connector supplied at the last admission
   int32_t remote_computed = 0;  // without it: tokens whose KV is present once the load lands
   // Set only with num_unstreamed > 0 (which guards every read on the step path).
   FinishReason pending_stop = FinishReason::kNone;  // the injected first token already stops it
@@ -121,6 +122,12 @@ struct alignas(64) Request {
     last_block = table_size > 0 ? block_table.back() : -1;
   }
   [[nodiscard]] int32_t num_generated() const noexcept { return num_tokens() - num_prompt_tokens; }
+  /// Tokens this engine has computed for it since its last admission: neither its prefix hits
+  /// nor what a connector loaded (fair share charges these to its tenant).
+  [[nodiscard]] int32_t computed_here() const noexcept {
+    const int32_t here = num_computed_tokens - prefix_hit_tokens - loaded_tokens;
+    return here > 0 ? here : 0;
+  }
   [[nodiscard]] bool is_partial_prefill() const noexcept {
     return status == RequestStatus::kRunning && num_computed_tokens < prefill_target;
   }
