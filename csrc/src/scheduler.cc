@@ -524,9 +524,8 @@ std::optional<std::string> Scheduler::unschedulable_reason(const Request& r) con
            ". Increase max_model_len or shorten the prompt.";
   // ATOM checked num_tokens here, so a preempted request that had grown past the budget was
   // rejected on readmission (8.9); a preempted request is re-prefilled in chunks instead.
-  // (A row also takes its drafter's input slots: row_token_room().)
-  if (!config_.enable_chunked_prefill &&
-      r.num_prompt_tokens + config_.draft_slots_per_row > config_.max_num_batched_tokens)
+  // (A row also takes its drafter's input slots: token_room().)
+  if (!config_.enable_chunked_prefill && r.num_prompt_tokens > token_room(0, 0))
     return "input tokens=" + std::to_string(r.num_prompt_tokens) +
            (config_.draft_slots_per_row ? " and the drafter's inputs" : "") +
            " > max_num_batched_tokens=" +
@@ -794,9 +793,8 @@ int32_t Scheduler::count_admittable_head_prefills(int32_t limit) {
     // Upper bound: hits may be shared.
     const int32_t fresh = ceil_div(r.num_tokens(), bs) - hits + ahead;
     if (blocks_taken + fresh + reserve > pool_.num_free_blocks()) break;
-    // (Every row takes its drafter's input slots too: row_token_room().)
-    const int32_t room = budget - tokens - (count + 1) * config_.draft_slots_per_row;
-    const int32_t chunk = chunk_of(r.num_tokens() - hits * bs, room, r.preempted);
+    const int32_t chunk = chunk_of(r.num_tokens() - hits * bs, token_room(tokens, count),
+                                   r.preempted);
     if (chunk == 0) break;
     blocks_taken += fresh;
     tokens += chunk;

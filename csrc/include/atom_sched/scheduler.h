@@ -365,11 +365,15 @@ class Scheduler {
     const int32_t ahead = config_.num_lookahead_tokens;
     return ahead == 0 ? tokens : std::max(tokens, std::min(tokens + ahead, position_limit_));
   }
-  /// Tokens a new row of `b` may schedule within max_num_batched_tokens: every row also takes
-  /// draft_slots_per_row (the drafter's inputs), this one included. The one budget rule.
-  [[nodiscard]] int32_t row_token_room(const Batch& b) const noexcept {
+  /// Tokens a new row may schedule within max_num_batched_tokens after `rows` rows of `tokens`
+  /// tokens: every row also takes draft_slots_per_row (the drafter's inputs), this one
+  /// included. The one budget rule.
+  [[nodiscard]] int32_t token_room(int32_t tokens, int32_t rows) const noexcept {
     const int32_t slots = config_.draft_slots_per_row;
-    return config_.max_num_batched_tokens - b.num_tokens - (b.num_rows + 1) * slots;
+    return config_.max_num_batched_tokens - tokens - (rows + 1) * slots;
+  }
+  [[nodiscard]] int32_t row_token_room(const Batch& b) const noexcept {
+    return token_room(b.num_tokens, b.num_rows);
   }
   /// The blocks admission takes for `r` beyond those of its tokens (the lookahead's).
   [[nodiscard]] int32_t lookahead_blocks(const Request& r) const;
