@@ -172,8 +172,14 @@ def test_draft_model_speculative_decoding_gives_vllms_answers():
     theirs = run("vllm", one_at_a_time, draft_model_tokens=3)
     stats = ours["core_stats"]
     print(f"drafts verified {stats['num_draft_tokens']}, accepted "
-          f"{stats['num_accepted_draft_tokens']}")
+          f"{stats['num_accepted_draft_tokens']}; rows (ours, vLLM's): {ours['lookahead']}, "
+          f"{theirs['lookahead']}")
     assert stats["num_accepted_draft_tokens"] > 0
+    # Every row's blocks, as vLLM's runner holds them, cover its positions and the draft model's
+    # three slots past them, as with vLLM's scheduler; and those slots did take blocks.
+    for res in (ours, theirs):
+        assert res["lookahead"]["uncovered_rows"] == 0, res["lookahead"]
+    assert ours["lookahead"]["rows_needing_a_lookahead_block"] > 0
     _same_answers(ours, theirs)
     _check_stop_rules(ours["outputs"])
     assert stats["num_finished"] == len(SAMPLING) and ours["kv_usage_end"] == 0.0

@@ -111,6 +111,41 @@ def result_of(o) -> dict:
             "text": c.text}
 
 
+class LookaheadCheck:
+    """Follows the block ids vLLM's model runner holds per request (appended; replaced on a
+    resume; dropped when finished) across the scheduler's outputs, and counts the rows whose
+    blocks do not cover their positions plus `ahead` slots (below max_model_len: where a draft
+    model writes KV), and the rows for which those slots took a block more than the positions."""
+
+    def __init__(self, block_size: int, ahead: int, max_model_len: int) -> None:
+        self.bs, self.ahead, self.limit = block_size, ahead, max_model_len
+        self.blocks: dict[str, list[int]] = {}
+        self.counts = {"rows": 0, "rows_needing_a_lookahead_block": 0, "uncovered_rows": 0}
+
+    def see(self, out) -> None:
+        for rid in out.finished_req_ids:
+            self.blocks.pop(rid, None)
+        computed = {}
+        for new in out.scheduled_new_reqs:
+            self.blocks[new.req_id] = list(new.block_ids[0])
+            computed[new.req_id] = new.num_computed_tokens
+        c = out.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            ids = c.new_block_ids[i]
+            if rid in c.resumed_req_ids:
+                self.blocks[rid] = list(ids[0])
+            elif ids is not None:
+                self.blocks[rid].extend(ids[0])
+            computed[rid] = c.num_computed_tokens[i]
+        for rid, n in out.num_scheduled_tokens.items():
+            end = computed[rid] + n
+            need = max(end, min(end + self.ahead, self.limit))
+            self.counts["rows"] += 1
+            self.counts["uncovered_rows"] += len(self.blocks[rid]) * self.bs < need
+            self.counts["rows_needing_a_lookahead_block"] += (
+                -(-need // self.bs) > -(-end // self.bs))
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     from transformers import AutoTokenizer
@@ -152,6 +187,19 @@ def main() -> None:
         publish = sched.kv_event_publisher.publish
         sched.kv_event_publisher.publish = lambda b: (published.append(b), publish(b))
     res: dict = {"scheduler": f"{type(sched).__module__}.{type(sched).__name__}"}
+    check = None
+    if cfg.get("draft_model_tokens"):
+        vc = llm.llm_engine.vllm_config
+        check = LookaheadCheck(vc.cache_config.block_size, cfg["draft_model_tokens"],
+                               vc.model_config.max_model_len)
+        schedule = sched.schedule
+
+        def checked_schedule(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            check.see(out)
+            return out
+
+        sched.schedule = checked_schedule
     ps = prompts(tok, cfg.get("system", True))[: cfg.get("num_prompts", len(QUESTIONS))]
     # LoRA: {"loras": {name: [lora_int_id, seed]}} makes those adapters (lora_adapter.py);
     # {"lora_of_prompt": [name or None, ...]} serves each prompt with one.
@@ -186,6 +234,8 @@ def main() -> None:
         res["unfinished_after"] = sched.get_num_unfinished_requests()
         res["request_counts"] = list(sched.get_request_counts())
     res["preemptions"] = preemptions(sched)
+    if check is not None:
+        res["lookahead"] = check.counts
     if replay is not None:
         from kv_replay import replayed_batches
         from vllm.distributed.kv_events import BlockStored
