@@ -17,6 +17,34 @@ from collections.abc import Callable
 from typing import Any
 
 
+def follow_blocks(blocks: dict[str, list[int]], out: Any) -> dict[str, int]:
+    """Brings ``blocks`` (the block ids vLLM's model runner holds per request) up to date with a
+    ``SchedulerOutput``: dropped when finished, set for a new request, replaced on a resume,
+    appended otherwise. Returns each scheduled request's ``num_computed_tokens``."""
+    for rid in out.finished_req_ids:
+        blocks.pop(rid, None)
+    computed = {}
+    for new in out.scheduled_new_reqs:
+        assert new.req_id not in blocks
+        blocks[new.req_id] = list(new.block_ids[0])
+        computed[new.req_id] = new.num_computed_tokens
+    c = out.scheduled_cached_reqs
+    for i, rid in enumerate(c.req_ids):
+        ids = c.new_block_ids[i]
+        if rid in c.resumed_req_ids:
+            blocks[rid] = list(ids[0])
+        elif ids is not None:
+            blocks[rid].extend(ids[0])
+        computed[rid] = c.num_computed_tokens[i]
+    return computed
+
+
+def slots_needed(end: int, lookahead: int, position_limit: int) -> int:
+    """KV slots a row ending at ``end`` needs: its positions, and a draft model's ``lookahead``
+    past them below ``position_limit`` (vLLM's num_lookahead_tokens, capped at max_model_len)."""
+    return max(end, min(end + lookahead, position_limit))
+
+
 class StandInRunner:
     """Keeps per request what vLLM's V1 model runner keeps: block ids appended, or replaced on a
     resume; dropped when finished. ``step(scheduler_output)`` returns the ``ModelRunnerOutput``."""
@@ -48,33 +76,23 @@ class StandInRunner:
         from vllm.v1.outputs import ModelRunnerOutput
 
         token = self.token if token is None else token
+        computed = follow_blocks(self.blocks, out)
         for rid in out.finished_req_ids:
-            self.blocks.pop(rid, None)
             self.tokens.pop(rid, None)
-        computed = {}
         for new in out.scheduled_new_reqs:
-            assert new.req_id not in self.blocks
-            self.blocks[new.req_id] = list(new.block_ids[0])
             self.tokens[new.req_id] = len(new.prompt_token_ids)
-            computed[new.req_id] = new.num_computed_tokens
         c = out.scheduled_cached_reqs
-        for i, rid in enumerate(c.req_ids):
-            ids = c.new_block_ids[i]
-            if rid in c.resumed_req_ids:
-                self.blocks[rid] = list(ids[0])
-                if rid in c.all_token_ids:  # a resumed request's tokens are the scheduler's
-                    self.tokens[rid] = len(c.all_token_ids[rid])
-            elif ids is not None:
-                self.blocks[rid].extend(ids[0])
-            computed[rid] = c.num_computed_tokens[i]
+        for rid in c.resumed_req_ids:
+            if rid in c.all_token_ids:  # a resumed request's tokens are the scheduler's
+                self.tokens[rid] = len(c.all_token_ids[rid])
         req_ids, sampled = [], []
         for rid, n in out.num_scheduled_tokens.items():
             end = computed[rid] + n
             blocks = self.blocks[rid]
             assert 0 not in blocks, "the null block was handed out"
             assert len(blocks) * self.block_size >= end, "positions without a block"
-            ahead = max(end, min(end + self.lookahead, self.position_limit))
-            assert len(blocks) * self.block_size >= ahead, "the drafter's lookahead has no block"
+            need = slots_needed(end, self.lookahead, self.position_limit)
+            assert len(blocks) * self.block_size >= need, "the drafter's lookahead has no block"
             req_ids.append(rid)
             drafts = out.scheduled_spec_decode_tokens.get(rid, [])
             if self.drafts_on_device and drafts:

@@ -123,23 +123,12 @@ class LookaheadCheck:
         self.counts = {"rows": 0, "rows_needing_a_lookahead_block": 0, "uncovered_rows": 0}
 
     def see(self, out) -> None:
-        for rid in out.finished_req_ids:
-            self.blocks.pop(rid, None)
-        computed = {}
-        for new in out.scheduled_new_reqs:
-            self.blocks[new.req_id] = list(new.block_ids[0])
-            computed[new.req_id] = new.num_computed_tokens
-        c = out.scheduled_cached_reqs
-        for i, rid in enumerate(c.req_ids):
-            ids = c.new_block_ids[i]
-            if rid in c.resumed_req_ids:
-                self.blocks[rid] = list(ids[0])
-            elif ids is not None:
-                self.blocks[rid].extend(ids[0])
-            computed[rid] = c.num_computed_tokens[i]
+        from stand_in import follow_blocks, slots_needed
+
+        computed = follow_blocks(self.blocks, out)
         for rid, n in out.num_scheduled_tokens.items():
             end = computed[rid] + n
-            need = max(end, min(end + self.ahead, self.limit))
+            need = slots_needed(end, self.ahead, self.limit)
             self.counts["rows"] += 1
             self.counts["uncovered_rows"] += len(self.blocks[rid]) * self.bs < need
             self.counts["rows_needing_a_lookahead_block"] += (
