@@ -52,6 +52,7 @@ class SchedulerConfig:
     drop_preempted_outputs: bool
     num_lookahead_tokens: int
     draft_slots_per_row: int
+    recompute_last_hit_block: bool
     def __init__(
         self,
         num_blocks: int,
@@ -82,6 +83,7 @@ class SchedulerConfig:
         drop_preempted_outputs: bool = False,
         num_lookahead_tokens: int = 0,
         draft_slots_per_row: int = 0,
+        recompute_last_hit_block: bool = False,
     ) -> None: ...
     def validate(self) -> None: ...
     @property

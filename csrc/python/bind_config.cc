@@ -38,14 +38,15 @@ void add_pickle(py::class_<T>& cls, const std::array<const char*, N>& fields) {
   });
 }
 
-constexpr std::array<const char*, 27> kSchedulerConfigFields = {
+constexpr std::array<const char*, 28> kSchedulerConfigFields = {
     "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "enable_prefix_caching", "enable_chunked_prefill", "num_speculative_tokens", "eos_token_id",
     "stop_token_ids", "scheduler_delay_factor", "enable_kv_events", "num_state_slots",
     "policy", "scheduling", "long_prefill_token_threshold", "cache_decode_blocks",
     "uniform_decode_rows", "host_block_tables", "preemption_victim", "sjf_aging_rate",
     "admission_watermark_blocks", "tenant_weights", "fence_freed_blocks",
-    "drop_preempted_outputs", "num_lookahead_tokens", "draft_slots_per_row"};
+    "drop_preempted_outputs", "num_lookahead_tokens", "draft_slots_per_row",
+    "recompute_last_hit_block"};
 constexpr std::array<const char*, 16> kSamplingParamsFields = {
     "temperature", "top_k", "top_p", "max_tokens", "ignore_eos", "n", "logprobs",
     "stop_token_ids", "stop_token_sequences", "seed", "min_tokens", "priority", "cache_salt",
@@ -143,7 +144,7 @@ void bind_config(py::module_& m) {
                        double sjf_aging_rate, int32_t admission_watermark_blocks,
                        const py::object& tenant_weights, bool fence_freed_blocks,
                        bool drop_preempted_outputs, int32_t num_lookahead_tokens,
-                       int32_t draft_slots_per_row) {
+                       int32_t draft_slots_per_row, bool recompute_last_hit_block) {
              SchedulerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -172,6 +173,7 @@ void bind_config(py::module_& m) {
              c.drop_preempted_outputs = drop_preempted_outputs;
              c.num_lookahead_tokens = num_lookahead_tokens;
              c.draft_slots_per_row = draft_slots_per_row;
+             c.recompute_last_hit_block = recompute_last_hit_block;
              return c;
            }),
            "num_blocks"_a, py::kw_only(), "block_size"_a = 16, "max_num_seqs"_a = 256,
@@ -186,7 +188,8 @@ void bind_config(py::module_& m) {
            "preemption_victim"_a = "service_order", "sjf_aging_rate"_a = 100.0,
            "admission_watermark_blocks"_a = 0, "tenant_weights"_a = py::dict(),
            "fence_freed_blocks"_a = false, "drop_preempted_outputs"_a = false,
-           "num_lookahead_tokens"_a = 0, "draft_slots_per_row"_a = 0)
+           "num_lookahead_tokens"_a = 0, "draft_slots_per_row"_a = 0,
+           "recompute_last_hit_block"_a = false)
       .def_readwrite("num_blocks", &SchedulerConfig::num_blocks)
       .def_readwrite("block_size", &SchedulerConfig::block_size)
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
@@ -223,6 +226,7 @@ void bind_config(py::module_& m) {
       .def_readwrite("drop_preempted_outputs", &SchedulerConfig::drop_preempted_outputs)
       .def_readwrite("num_lookahead_tokens", &SchedulerConfig::num_lookahead_tokens)
       .def_readwrite("draft_slots_per_row", &SchedulerConfig::draft_slots_per_row)
+      .def_readwrite("recompute_last_hit_block", &SchedulerConfig::recompute_last_hit_block)
       .def_property(
           "tenant_weights", [](const SchedulerConfig& c) { return c.tenant_weights; },
           [](SchedulerConfig& c, const py::object& v) {

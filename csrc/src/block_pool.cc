@@ -46,11 +46,12 @@ constexpr int32_t kUsualBlockSize = 16;
 }  // namespace
 
 BlockPool::BlockPool(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching,
-                     bool enable_events, int32_t num_state_slots)
+                     bool enable_events, int32_t num_state_slots, bool recompute_last_hit)
     : num_blocks_(num_blocks),
       block_size_(block_size),
       prefix_caching_(enable_prefix_caching),
       events_enabled_(enable_events),
+      recompute_last_hit_(recompute_last_hit),
       num_state_slots_(num_state_slots),
       map_(std::max(num_blocks, 1)) {
   require(num_blocks >= 2, "num_blocks must be >= 2 (block 0 is the null block), got " +
@@ -123,7 +124,12 @@ int32_t BlockPool::can_allocate(std::span<const uint64_t> hashes, std::span<cons
   // The last block is never a hit, so prefill always computes at least one token. A hit held by
   // a live request needs no new block.
   int32_t shared = 0;
-  const int32_t hits = leading_hits(hashes, tokens, num_needed - 1, shared);
+  int32_t hits = leading_hits(hashes, tokens, num_needed - 1, shared);
+  if (recompute_last_hit_ && hits > 0) {
+    // The hit's last block is computed again, into a fresh block: one block less to share.
+    --hits;
+    shared -= ref_count_[map_.find(hashes[hits])] > 0;
+  }
   return num_free_ - reserve >= num_needed - shared ? hits : -1;
 }
 

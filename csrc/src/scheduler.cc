@@ -46,7 +46,7 @@ Scheduler::Scheduler(SchedulerConfig config)
                        : -1),
       cache_decode_blocks_(config_.cache_decode_blocks && config_.enable_prefix_caching),
       pool_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching,
-            config_.enable_kv_events, config_.num_state_slots),
+            config_.enable_kv_events, config_.num_state_slots, config_.recompute_last_hit_block),
       tenants_(config_.tenant_weights) {
   const size_t rows = config_.max_num_seqs;
   // The per-token arrays have K slack entries past the token budget: a steady speculative row

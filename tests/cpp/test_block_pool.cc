@@ -256,6 +256,55 @@ TEST(BlockPoolTest, HitOnUsedBlockNeedsNoFreeBlock) {
   EXPECT_EQ(pool.can_allocate(hp, p, 12, false), -1);
 }
 
+// recompute_last_hit (vLLM's EAGLE block drop): a hit gives back its last block, after the
+// last-block rule has capped it.
+TEST(BlockPoolTest, RecomputeLastHitGivesBackTheHitsLastBlock) {
+  BlockPool pool(9, 4, true, false, 0, /*recompute_last_hit=*/true);
+  const V p = Seq(100, 12);
+  const H hp = Chain(p, 4);
+  V a;
+  pool.allocate(hp, 0, 12, a);
+  pool.publish(a, hp, p, 0, 3);
+  Check(pool, {&a});
+  // 16 tokens with the same first 12: blocks 0..2 match, block 2 is given back.
+  const V q = Cat(p, Seq(900, 4));
+  EXPECT_EQ(pool.can_allocate(Chain(q, 4), q, 16, false), 2);
+  // The same 12 tokens: 2 may hit (the last block never does), 1 after the drop.
+  EXPECT_EQ(pool.can_allocate(hp, p, 12, false), 1);
+  // 8 tokens: 1 may hit, none after the drop; no hit, nothing to give back.
+  const V p8(p.begin(), p.begin() + 8);
+  EXPECT_EQ(pool.can_allocate(Chain(p8, 4), p8, 8, false), 0);
+  V s = q;
+  s[0] = 1;
+  EXPECT_EQ(pool.can_allocate(Chain(s, 4), s, 16, false), 0);
+  Check(pool, {&a});
+}
+
+TEST(BlockPoolTest, RecomputeLastHitNeedsAFreshBlockForTheGivenBackOne) {
+  // A live request holds three cached blocks; a 16-token request with the same first 12 tokens
+  // would share all three and need one fresh block, but gives the third back: it shares two and
+  // needs two fresh blocks.
+  const V p = Seq(100, 12), q = Cat(p, Seq(900, 4));
+  const H hp = Chain(p, 4), hq = Chain(q, 4);
+  for (int32_t free_blocks : {1, 2}) {
+    SCOPED_TRACE(testing::Message() << free_blocks << " free blocks");
+    BlockPool pool(4 + free_blocks, 4, true, false, 0, /*recompute_last_hit=*/true);
+    V a;
+    pool.allocate(hp, 0, 12, a);
+    pool.publish(a, hp, p, 0, 3);
+    ASSERT_EQ(pool.num_free_blocks(), free_blocks);
+    if (free_blocks == 1) {
+      EXPECT_EQ(pool.can_allocate(hq, q, 16, false), -1);
+      continue;
+    }
+    ASSERT_EQ(pool.can_allocate(hq, q, 16, false), 2);
+    V b;
+    pool.allocate(hq, 2, 16, b);
+    EXPECT_EQ(b, (V{1, 2, 4, 5}));
+    Check(pool, {&a, &b});
+  }
+}
+
 TEST(BlockPoolTest, HitOnFreeCachedBlockConsumesAFreeBlock) {
   BlockPool pool(5, 4, true, true);
   const V p = Seq(100, 12);

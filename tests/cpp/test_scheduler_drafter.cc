@@ -161,5 +161,34 @@ TEST(DraftSlotsTest, ConfigRefusesSlotsWithoutDraftsPastKOrPastTheBudget) {
   EXPECT_NO_THROW(DraftSlotsCfg(4, 2, 1).validate());
 }
 
+// An EAGLE-family drafter (vLLM's use_eagle_block_drop): a prefix hit gives back its last block,
+// so the drafter gets the target's hidden states for the tokens just before the first computed
+// one. The hit it keeps is all the step reports as cached.
+TEST(RecomputeLastHitTest, APrefixHitGivesBackItsLastBlock) {
+  for (bool drop : {false, true}) {
+    SCOPED_TRACE(testing::Message() << "recompute_last_hit_block " << drop);
+    SchedulerConfig c = SpecCfg(16, 2);
+    c.recompute_last_hit_block = drop;
+    H h(c);
+    h.add(0, Seq(1, 12), P(1));  // three full blocks, cached once computed
+    auto b1 = h.sched();
+    ASSERT_TRUE(b1);
+    h.upd(*b1, {5, 0, 0}, {1}, {-1, -1});
+    ASSERT_FALSE(h.s.contains(0));
+    h.add(1, Cat(Seq(1, 12), Seq(50, 4)), P(1));  // the same three blocks, then a fourth
+    auto b2 = h.sched();
+    ASSERT_TRUE(b2);
+    EXPECT_EQ(b2->ncached, V{drop ? 8 : 12});
+    EXPECT_EQ(b2->nsched, V{drop ? 8 : 4});
+    EXPECT_EQ(h.s.stats().prefix_hit_tokens, drop ? 8 : 12);
+    h.upd(*b2, {6, 0, 0}, {1}, {-1, -1});
+    // A one-block hit gives back everything: nothing is cached.
+    h.add(2, Cat(Seq(1, 4), Seq(70, 4)), P(1));
+    auto b3 = h.sched();
+    ASSERT_TRUE(b3);
+    EXPECT_EQ(b3->ncached, V{drop ? 0 : 4});
+  }
+}
+
 }  // namespace
 }  // namespace atom_sched

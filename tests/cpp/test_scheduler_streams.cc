@@ -197,6 +197,8 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
     if (seed % 5 == 2) c.num_lookahead_tokens = c.num_speculative_tokens;
     if (seed % 2 == 0 && c.max_num_batched_tokens >= c.num_speculative_tokens + 2)
       c.draft_slots_per_row = std::min(c.num_speculative_tokens, 1);
+    // An EAGLE-family drafter's: a prefix hit's last block computed again.
+    c.recompute_last_hit_block = seed % 3 == 1;
     const int32_t k = c.num_speculative_tokens;
     H h(c);
     h.check_device_plan = check_plan;

@@ -782,3 +782,20 @@ def test_draft_slots_per_row_take_budget_and_are_validated():
                              draft_slots_per_row=1), "max_num_batched_tokens must be")]:
         with pytest.raises(ValueError, match=words):
             Scheduler(SchedulerConfig(num_blocks=32, **bad))
+
+
+def test_recompute_last_hit_block_gives_back_a_prefix_hits_last_block():
+    """An EAGLE-family drafter needs the target's hidden states just before the first computed
+    token (vLLM's EAGLE block drop): a prefix hit gives its last block back, computed again."""
+    prompt = list(range(10, 22)) + [7, 7, 7, 7]  # four blocks of 4: three can hit
+    cached = {}
+    for drop in (False, True):
+        cfg = SchedulerConfig(num_blocks=32, block_size=4, recompute_last_hit_block=drop)
+        assert cfg.recompute_last_hit_block is drop
+        s = Scheduler(cfg)
+        s.add_request(0, prompt[:12], SamplingParams(max_tokens=1))
+        s.update(s.schedule(), np.array([5], np.int32))  # computed and cached, then finished
+        s.add_request(1, prompt, SamplingParams(max_tokens=1))
+        b = s.schedule()
+        cached[drop] = (int(b.num_cached_tokens[0]), int(b.num_scheduled_tokens[0]))
+    assert cached == {False: (12, 4), True: (8, 8)}

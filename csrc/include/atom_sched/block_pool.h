@@ -41,9 +41,10 @@ inline constexpr int32_t kNullBlock = 0;
 class BlockPool {
  public:
   /// num_blocks >= 2 (block 0 is the null block), block_size > 0, num_state_slots >= 0. Throws
-  /// InvalidArgument otherwise.
+  /// InvalidArgument otherwise. `recompute_last_hit`: can_allocate gives back a hit's last block
+  /// (SchedulerConfig::recompute_last_hit_block).
   BlockPool(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching, bool enable_events,
-            int32_t num_state_slots = 0);
+            int32_t num_state_slots = 0, bool recompute_last_hit = false);
 
   /// Block ids 0..num_blocks-1, the null block included.
   [[nodiscard]] int32_t num_blocks() const noexcept { return num_blocks_; }
@@ -70,7 +71,8 @@ class BlockPool {
 
   /// ATOM's can_allocate for a request of `num_tokens` tokens: the number of leading cached blocks
   /// (>= 0) if the whole request fits now with `reserve` blocks still free after it, else -1. The
-  /// last block is never a cache hit (so prefill always computes at least one token): `hashes`
+  /// last block is never a cache hit (so prefill always computes at least one token), nor, with
+  /// `recompute_last_hit`, the last block that would otherwise be one: `hashes`
   /// must hold the chain hashes of at least min(full blocks, ceil(num_tokens/bs) - 1) blocks when
   /// prefix caching is on. Pure.
   [[nodiscard]] int32_t can_allocate(std::span<const uint64_t> hashes,
@@ -146,6 +148,7 @@ class BlockPool {
   int32_t block_size_;
   bool prefix_caching_;
   bool events_enabled_;
+  bool recompute_last_hit_;
   int32_t num_state_slots_;
 
   std::vector<int32_t> ref_count_;

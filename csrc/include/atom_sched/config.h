@@ -55,6 +55,11 @@ struct SchedulerConfig {
   // max_num_new_slots_for_drafting: 1 for a draft model, which reads a row's tokens and one
   // more). 0..K, and only with K > 0.
   int32_t draft_slots_per_row = 0;
+  // A prefix-cache hit gives back its last block, which is computed again (vLLM's EAGLE block
+  // drop: a drafter on the target's hidden states needs them for the tokens just before the
+  // first computed one, and a block cached by another request holds that request's next-token
+  // inputs in the drafter's KV). Only local hits; a connector is asked after the drop.
+  bool recompute_last_hit_block = false;
   int32_t eos_token_id = -1;           // -1: no EOS
   std::vector<int32_t> stop_token_ids;  // stop tokens for every request (in addition to EOS)
   double scheduler_delay_factor = 0.0;  // > 0 delays admission as ATOM does (seconds ratio)
