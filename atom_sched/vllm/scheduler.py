@@ -57,10 +57,12 @@ __all__ = ["AtomScheduler", "UnsupportedFeature"]
 
 
 # Speculative methods served: drafts proposed by the model runner after sampling, from the
-# request's own tokens (n-gram) or by a draft model, which writes its KV past the verified tokens
-# into slots the core reserves (vLLM's num_lookahead_tokens). The core verifies at most this many
-# drafts a row.
-_DRAFT_METHODS = ("ngram", "ngram_gpu", "draft_model")
+# request's own tokens (n-gram), by a draft model, or by a drafter on the target's hidden states
+# (the EAGLE family); the last two write KV past the verified tokens into slots the core reserves
+# (vLLM's num_lookahead_tokens), and the EAGLE family also recomputes a prefix hit's last block.
+# The core verifies at most this many drafts a row.
+_DRAFT_METHODS = ("ngram", "ngram_gpu", "draft_model", "eagle", "eagle3", "mtp", "dflash",
+                  "dspark")
 _MAX_DRAFTS = 8
 
 # The core's finish reasons (docs/api.md "Outputs and stop conditions") as vLLM statuses.
@@ -151,8 +153,9 @@ class AtomScheduler(SchedulerInterface):
                                            and kv_events.enable_kv_cache_events)
         # Speculative decoding: K drafts a decode row at most, proposed by the runner after each
         # step's sampling and handed over through update_draft_token_ids() (or kept on the
-        # device, with async scheduling); a draft model's KV slots past each row's tokens are
-        # reserved by the core (num_lookahead_tokens: K for a draft model, else 0).
+        # device, with async scheduling); a drafter's KV slots past each row's tokens are
+        # reserved by the core (num_lookahead_tokens: K for a draft model or EAGLE, K + 1 for
+        # DFlash, else 0).
         self.num_spec_tokens = int(getattr(vllm_config, "num_speculative_tokens", 0) or 0)
         self.num_lookahead_tokens = int(getattr(vllm_config, "num_lookahead_tokens", 0) or 0)
         # A draft model reads one input token more than a row schedules, parallel drafting K - 1
@@ -160,6 +163,11 @@ class AtomScheduler(SchedulerInterface):
         # max_num_batched_tokens (its input budget) on top of its tokens, and so does the core.
         spec = vllm_config.speculative_config
         self.draft_slots_per_row = int(getattr(spec, "max_num_new_slots_for_drafting", 0) or 0)
+        # A drafter on the target's hidden states needs them for the tokens just before the
+        # first computed one: a prefix hit gives its last block back (vLLM's EAGLE block drop,
+        # unless disable_eagle_block_drop).
+        drops_hit_block = getattr(spec, "use_eagle_block_drop", None)
+        self.recompute_last_hit_block = bool(drops_hit_block is not None and drops_hit_block())
         core_budget = int(budget)
         if self.draft_slots_per_row:
             # One budget in the core: the input budget, or the scheduled-token cap if it is
@@ -179,6 +187,7 @@ class AtomScheduler(SchedulerInterface):
             num_speculative_tokens=self.num_spec_tokens,
             num_lookahead_tokens=self.num_lookahead_tokens,
             draft_slots_per_row=self.draft_slots_per_row,
+            recompute_last_hit_block=self.recompute_last_hit_block,
             # Stops are per request (SamplingParams.stop_token_ids, EOS included): vLLM's EOS
             # comes with each request and may differ between them.
             eos_token_id=-1,
@@ -280,13 +289,6 @@ class AtomScheduler(SchedulerInterface):
                           "it serves text-only models.")
         spec = vllm_config.speculative_config
         if spec is not None:
-            if spec.method in ("eagle", "eagle3", "mtp", "dflash", "dspark"):
-                # They also drop a prefix hit's last block (vLLM's use_eagle_block_drop: the
-                # drafter recomputes its hidden states) and may need prefill lookahead.
-                raise _refuse(f"the speculative method {spec.method!r} (a drafter on the target's "
-                              "hidden states)",
-                              f"use {' or '.join(map(repr, _DRAFT_METHODS))} drafts or drop "
-                              "--speculative-config.")
             if spec.method not in _DRAFT_METHODS:
                 raise _refuse(f"the speculative method {spec.method!r}",
                               f"use {' or '.join(map(repr, _DRAFT_METHODS))} drafts or drop "
@@ -299,9 +301,14 @@ class AtomScheduler(SchedulerInterface):
             if not 1 <= k <= _MAX_DRAFTS:
                 raise _refuse(f"{k} speculative tokens a step",
                               f"use num_speculative_tokens 1..{_MAX_DRAFTS}.")
-            if int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0):
-                raise _refuse("prefill lookahead for a drafter (num_prefill_lookahead_tokens)",
-                              f"use {' or '.join(map(repr, _DRAFT_METHODS))} drafts.")
+            # An EAGLE-family drafter reads the prompt token after a chunk (1: nothing to keep
+            # back); multi-module MTP reads K ahead, so a chunk must never end within K of the
+            # prompt's end (vLLM's _reserve_prefill_lookahead): not in the core.
+            if int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 1:
+                raise _refuse("prefill lookahead past the next token for a drafter "
+                              "(num_prefill_lookahead_tokens > 1: multi-module MTP)",
+                              "use one MTP module (num_speculative_tokens 1, or a model with "
+                              "one nextn layer) or another method.")
         kv_transfer = vllm_config.kv_transfer_config
         if kv_transfer is not None and kv_transfer.kv_load_failure_policy != "fail":
             raise _refuse(f"kv_load_failure_policy={kv_transfer.kv_load_failure_policy!r} (a "

@@ -335,12 +335,29 @@ def test_accepts_a_plain_config_and_sizes_the_core_from_it():
     assert not s.has_requests()
 
 
+@pytest.mark.parametrize("method, k, lookahead, slots, drop", [
+    ("eagle3", 3, 3, 0, True), ("eagle3", 3, 3, 2, True),  # EAGLE-3, P-EAGLE
+    ("eagle", 2, 2, 0, False),  # disable_eagle_block_drop
+    ("mtp", 1, 1, 0, True), ("dflash", 4, 5, 4, True), ("dspark", 4, 4, 3, True)])
+def test_accepts_the_eagle_family(method, k, lookahead, slots, drop):
+    """Drafters on the target's hidden states: the KV slots past each row (vLLM's
+    num_lookahead_tokens), their input slots, and a prefix hit's last block recomputed (vLLM's
+    use_eagle_block_drop), all as vLLM's config gives them."""
+    from atom_sched.vllm import AtomScheduler
+
+    spec = SimpleNamespace(method=method, max_num_new_slots_for_drafting=slots,
+                           use_eagle_block_drop=lambda: drop)
+    cfg, kv = _config(speculative_config=spec, num_speculative_tokens=k,
+                      num_lookahead_tokens=lookahead, num_prefill_lookahead_tokens=1)
+    c = AtomScheduler(cfg, kv, None, block_size=16).core_config
+    assert (c.num_speculative_tokens, c.num_lookahead_tokens, c.draft_slots_per_row,
+            c.recompute_last_hit_block) == (k, lookahead, slots, drop)
+
+
 @pytest.mark.parametrize("override, words", [
-    ({"speculative_config": SimpleNamespace(method="eagle")}, "speculative method 'eagle'"),
-    ({"speculative_config": SimpleNamespace(method="mtp")}, "target's hidden states"),
     ({"speculative_config": SimpleNamespace(method="suffix")}, "method 'suffix'"),
-    ({"speculative_config": SimpleNamespace(method="draft_model"), "num_speculative_tokens": 3,
-      "num_prefill_lookahead_tokens": 2}, "prefill lookahead"),
+    ({"speculative_config": SimpleNamespace(method="mtp"), "num_speculative_tokens": 3,
+      "num_prefill_lookahead_tokens": 3}, "multi-module MTP"),
     ({"speculative_config": SimpleNamespace(method="ngram"), "num_speculative_tokens": 9},
      "9 speculative tokens"),
     ({"speculative_config": SimpleNamespace(method="ngram",
@@ -1010,8 +1027,9 @@ def test_random_streams_keep_every_invariant_against_a_stand_in_runner(seed):
     """The features together, on random streams: arrivals over time, prompts of 5 to 70 tokens
     in a pool of seven 16-token blocks (preemption), one in ten longer (rejected), aborts of
     live requests (in flight too), two LoRA adapters with max_loras = 1, and per seed either
-    drafts (some right, some wrong; every other such seed a draft model's, with KV lookahead
-    slots the runner checks) or async scheduling. After every call the
+    drafts (some right, some wrong; on one such seed in four a draft model's and on another
+    EAGLE-3's, with KV lookahead slots the runner checks, and for EAGLE-3 a prefix hit's last
+    block recomputed) or async scheduling. After every call the
     core's invariants hold; no step schedules two adapters; every request that was not aborted
     ends with exactly its max_tokens tokens or is rejected whole; nothing is left behind."""
     import random
@@ -1029,18 +1047,23 @@ def test_random_streams_keep_every_invariant_against_a_stand_in_runner(seed):
     over = {"lora_config": SimpleNamespace(max_loras=1),
             "scheduler_config__max_num_seqs": 4, "scheduler_config__max_num_batched_tokens": 32,
             "scheduler_config__async_scheduling": use_async}
-    lookahead = k if seed % 4 == 0 else 0  # a draft model's (vLLM: K slots), else n-gram's
-    slots = 1 if lookahead else 0  # a draft model's input slot a row
+    # A draft model's (vLLM: K slots ahead, an input slot a row) or EAGLE-3's (K slots ahead, a
+    # prefix hit's last block recomputed), else n-gram's.
+    method = {0: "draft_model", 4: "eagle3"}.get(seed % 8, "ngram")
+    lookahead = k if method != "ngram" else 0
+    slots = 1 if method == "draft_model" else 0
+    drop = method == "eagle3"
     if k:
-        method = "draft_model" if lookahead else "ngram"
         over.update(speculative_config=SimpleNamespace(
-            method=method, max_num_new_slots_for_drafting=slots), num_speculative_tokens=k,
+            method=method, max_num_new_slots_for_drafting=slots,
+            use_eagle_block_drop=lambda: drop), num_speculative_tokens=k,
             num_lookahead_tokens=lookahead)
     cfg, kv = _config(**over)
     kv.num_blocks = 8
     s = AtomScheduler(cfg, kv, None, block_size=16)
     assert s.core_config.num_lookahead_tokens == lookahead
     assert s.core_config.draft_slots_per_row == slots
+    assert s.core_config.recompute_last_hit_block == (drop and k > 0)
     loras = [None, LoRARequest("A", 1, "/a"), LoRARequest("B", 2, "/b")]
     runner = StandInRunner(16, drafter=lambda rid: [7, rng.choice([7, 9])][:rng.randint(0, k)],
                            lookahead=lookahead, position_limit=7 * 16)
