@@ -185,6 +185,37 @@ def test_draft_model_speculative_decoding_gives_vllms_answers():
     assert stats["num_finished"] == len(SAMPLING) and ours["kv_usage_end"] == 0.0
 
 
+def test_eagle3_speculative_decoding_gives_vllms_answers():
+    """vLLM's EAGLE-3 drafter (a seeded random head, eagle_head.py, on SmolLM2's hidden
+    states; three tokens a step): the KV slots past each row, and a prefix hit's last block
+    recomputed for the drafter (vLLM's EAGLE block drop; the prompts share one cached block,
+    which no request takes as a hit, with either scheduler). The same tokens, stops, cached
+    counts and every proposal of the drafter as with vLLM's scheduler, one request at a time."""
+    one_at_a_time = {**PREFIX_CHUNKED, "max_num_seqs": 1}
+    ours = run("atom", one_at_a_time, eagle_tokens=3)
+    theirs = run("vllm", one_at_a_time, eagle_tokens=3)
+    stats = ours["core_stats"]
+    print(f"drafts verified {stats['num_draft_tokens']}, accepted "
+          f"{stats['num_accepted_draft_tokens']}; rows (ours, vLLM's): {ours['lookahead']}, "
+          f"{theirs['lookahead']}")
+    assert stats["num_draft_tokens"] > 0
+    for res in (ours, theirs):
+        assert res["lookahead"]["uncovered_rows"] == 0, res["lookahead"]
+    _same_answers(ours, theirs)
+    _check_stop_rules(ours["outputs"])
+    # Without the drop every request after the first would take the system prompt's first block
+    # (128 tokens) from the cache, as in test_prefix_caching_and_chunked_prefill_gives_vllms_...
+    cached = [o["num_cached_tokens"] for o in ours["outputs"]]
+    assert cached == [o["num_cached_tokens"] for o in theirs["outputs"]] == [0] * len(SAMPLING)
+    # The drafter saw the same hidden states and tokens at every step (the sampled prompt's
+    # drafts are left out with its answer).
+    mine, vllms = ours["drafts"], theirs["drafts"]
+    assert len(mine) == len(vllms) == len(SAMPLING)
+    assert [d for i, d in enumerate(mine) if i != SAMPLED] == \
+        [d for i, d in enumerate(vllms) if i != SAMPLED]
+    assert stats["num_finished"] == len(SAMPLING) and ours["kv_usage_end"] == 0.0
+
+
 # Structured output (vLLM's grammar backend builds the bitmask of the rows this class
 # schedules, and advances each grammar with the tokens the core accepts).
 CITY = {"type": "object", "properties": {"city": {"type": "string"},

@@ -160,6 +160,14 @@ def main() -> None:
         # it writes KV for its K proposals past each row's tokens (num_lookahead_tokens = K).
         llm_args["speculative_config"] = {"method": "draft_model", "model": path,
                                           "num_speculative_tokens": cfg["draft_model_tokens"]}
+    if cfg.get("eagle_tokens"):
+        # vLLM's EAGLE-3 drafter on the target's hidden states, a head made here (eagle_head.py):
+        # K slots ahead as a draft model, and a prefix hit's last block recomputed.
+        from eagle_head import make_eagle3_head
+
+        head = make_eagle3_head(Path(tempfile.gettempdir()) / "atom_sched_eagle", path, seed=0)
+        llm_args["speculative_config"] = {"method": "eagle3", "model": head,
+                                          "num_speculative_tokens": cfg["eagle_tokens"]}
     if cfg.get("kv_store"):
         # vLLM's ExampleConnector: each prompt's KV (whole blocks, all but its last token) saved
         # to files in this folder, and loaded from there by any engine that sees it again.
@@ -177,10 +185,10 @@ def main() -> None:
         sched.kv_event_publisher.publish = lambda b: (published.append(b), publish(b))
     res: dict = {"scheduler": f"{type(sched).__module__}.{type(sched).__name__}"}
     check = None
-    if cfg.get("draft_model_tokens"):
+    ahead = cfg.get("draft_model_tokens") or cfg.get("eagle_tokens")
+    if ahead:
         vc = llm.llm_engine.vllm_config
-        check = LookaheadCheck(vc.cache_config.block_size, cfg["draft_model_tokens"],
-                               vc.model_config.max_model_len)
+        check = LookaheadCheck(vc.cache_config.block_size, ahead, vc.model_config.max_model_len)
         schedule = sched.schedule
 
         def checked_schedule(*args, **kwargs):
@@ -189,6 +197,19 @@ def main() -> None:
             return out
 
         sched.schedule = checked_schedule
+    drafts: dict[str, list[list[int]]] = {}
+    if "speculative_config" in llm_args:
+        # Every proposal the runner hands over (those after a prompt chunk too, which either
+        # scheduler drops): a pure function of what the scheduler gave the runner.
+        hand_over = sched.update_draft_token_ids
+
+        def recorded(draft_token_ids):
+            for rid, ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids,
+                                strict=True):
+                drafts.setdefault(rid, []).append(list(ids))
+            return hand_over(draft_token_ids)
+
+        sched.update_draft_token_ids = recorded
     ps = prompts(tok, cfg.get("system", True))[: cfg.get("num_prompts", len(QUESTIONS))]
     # LoRA: {"loras": {name: [lora_int_id, seed]}} makes those adapters (lora_adapter.py);
     # {"lora_of_prompt": [name or None, ...]} serves each prompt with one.
@@ -225,6 +246,8 @@ def main() -> None:
     res["preemptions"] = preemptions(sched)
     if check is not None:
         res["lookahead"] = check.counts
+    if drafts:
+        res["drafts"] = list(drafts.values())  # by first proposal (ids may carry a suffix)
     if replay is not None:
         from kv_replay import replayed_batches
         from vllm.distributed.kv_events import BlockStored
