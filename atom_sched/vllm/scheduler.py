@@ -832,6 +832,13 @@ class AtomScheduler(SchedulerInterface):
             stats = stats.aggregate(own) if stats is not None else own
         return stats
 
+    def _cached_prompt_tokens(self, request: Request) -> int:
+        """The prompt tokens in the prefix cache once the prompt is computed: its whole blocks
+        (the core publishes each full block as it is computed), none without prefix caching."""
+        if not self.core_config.enable_prefix_caching:
+            return 0
+        return request.num_prompt_tokens // self.block_size * self.block_size
+
     def _runner_tokens(self, step: _InFlight, mro: Any) -> list[list[int] | None]:
         """Each row's tokens from the runner, None where it sampled none; raises for a row that
         should have sampled (the runner and the core disagree: never guessed)."""
@@ -1010,7 +1017,9 @@ class AtomScheduler(SchedulerInterface):
         prefill_stats = None
         if request.prefill_stats is not None:
             prefill_stats = request.take_prefill_stats()
-            prefill_stats.finalize(num_cached)
+            # The prompt tokens the cache holds now, its hits and what it wrote (vLLM's
+            # estimate_cached_tokens): the cache-creation count is the difference.
+            prefill_stats.finalize(self._cached_prompt_tokens(request))
             self._prefix_stats.record(num_tokens=request.num_prompt_tokens, num_hits=num_cached,
                                       preempted=request.num_preemptions > 0)
         prompt_logprobs = mro.prompt_logprobs_dict

@@ -106,6 +106,12 @@ def test_prefix_caching_and_chunked_prefill_give_vllms_answers():
     # The shared system prompt's first block is served from the cache after the first request.
     assert stats["prefix_hit_tokens"] >= 128 * (len(SAMPLING) - 1)
     assert max(o["num_cached_tokens"] for o in ours["outputs"]) >= 128
+    # What each prompt found in the cache and what it wrote there, as vLLM reports them (the
+    # Anthropic API's cache_creation_input_tokens): the first request writes the shared block.
+    counts = [(o["num_cached_tokens"], o["num_cache_creation_tokens"]) for o in ours["outputs"]]
+    assert counts == [(o["num_cached_tokens"], o["num_cache_creation_tokens"])
+                      for o in theirs["outputs"]]
+    assert counts[0][1] >= 128
     assert stats["num_finished"] == len(SAMPLING) and stats["num_preemptions"] == 0
     assert ours["kv_usage_end"] == 0.0
 
