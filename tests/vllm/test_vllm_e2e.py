@@ -167,39 +167,15 @@ def test_ngram_speculative_decoding_gives_vllms_answers():
     assert stats["num_finished"] == len(SAMPLING) and ours["kv_usage_end"] == 0.0
 
 
-def test_draft_model_speculative_decoding_gives_vllms_answers():
-    """vLLM's draft-model drafter (SmolLM2 drafting for itself, three tokens a step): it writes
-    KV for its proposals past each row's verified tokens, into the slots the core reserves ahead
-    (num_lookahead_tokens); with prefix caching, chunked prefill and every stop rule, the same
-    tokens and stops as vLLM's scheduler with the same drafter. One request at a time, as the
-    n-gram test (vLLM's CPU runner with drafts in a batch of several)."""
+def _drafter_writing_ahead(**drafter) -> tuple[dict, dict]:
+    """Both schedulers with a drafter that writes KV past each row's verified tokens (three
+    tokens a step), one request at a time (vLLM's CPU runner corrupts batches of several with
+    drafts), prefix caching, chunked prefill and every stop rule: the same tokens and stops, and
+    every row's blocks, as vLLM's runner holds them, cover its positions and the drafter's slots
+    past them (which the core reserves: num_lookahead_tokens). Returns (ours, vLLM's)."""
     one_at_a_time = {**PREFIX_CHUNKED, "max_num_seqs": 1}
-    ours = run("atom", one_at_a_time, draft_model_tokens=3)
-    theirs = run("vllm", one_at_a_time, draft_model_tokens=3)
-    stats = ours["core_stats"]
-    print(f"drafts verified {stats['num_draft_tokens']}, accepted "
-          f"{stats['num_accepted_draft_tokens']}; rows (ours, vLLM's): {ours['lookahead']}, "
-          f"{theirs['lookahead']}")
-    assert stats["num_accepted_draft_tokens"] > 0
-    # Every row's blocks, as vLLM's runner holds them, cover its positions and the draft model's
-    # three slots past them, as with vLLM's scheduler; and those slots did take blocks.
-    for res in (ours, theirs):
-        assert res["lookahead"]["uncovered_rows"] == 0, res["lookahead"]
-    assert ours["lookahead"]["rows_needing_a_lookahead_block"] > 0
-    _same_answers(ours, theirs)
-    _check_stop_rules(ours["outputs"])
-    assert stats["num_finished"] == len(SAMPLING) and ours["kv_usage_end"] == 0.0
-
-
-def test_eagle3_speculative_decoding_gives_vllms_answers():
-    """vLLM's EAGLE-3 drafter (a seeded random head, eagle_head.py, on SmolLM2's hidden
-    states; three tokens a step): the KV slots past each row, and a prefix hit's last block
-    recomputed for the drafter (vLLM's EAGLE block drop; the prompts share one cached block,
-    which no request takes as a hit, with either scheduler). The same tokens, stops, cached
-    counts and every proposal of the drafter as with vLLM's scheduler, one request at a time."""
-    one_at_a_time = {**PREFIX_CHUNKED, "max_num_seqs": 1}
-    ours = run("atom", one_at_a_time, eagle_tokens=3)
-    theirs = run("vllm", one_at_a_time, eagle_tokens=3)
+    ours = run("atom", one_at_a_time, **drafter)
+    theirs = run("vllm", one_at_a_time, **drafter)
     stats = ours["core_stats"]
     print(f"drafts verified {stats['num_draft_tokens']}, accepted "
           f"{stats['num_accepted_draft_tokens']}; rows (ours, vLLM's): {ours['lookahead']}, "
@@ -209,6 +185,25 @@ def test_eagle3_speculative_decoding_gives_vllms_answers():
         assert res["lookahead"]["uncovered_rows"] == 0, res["lookahead"]
     _same_answers(ours, theirs)
     _check_stop_rules(ours["outputs"])
+    assert stats["num_finished"] == len(SAMPLING) and ours["kv_usage_end"] == 0.0
+    return ours, theirs
+
+
+def test_draft_model_speculative_decoding_gives_vllms_answers():
+    """vLLM's draft-model drafter (SmolLM2 drafting for itself): vLLM's answers, with rows that
+    needed a block for the drafter's slots alone, and some drafts accepted."""
+    ours, _ = _drafter_writing_ahead(draft_model_tokens=3)
+    assert ours["core_stats"]["num_accepted_draft_tokens"] > 0
+    assert ours["lookahead"]["rows_needing_a_lookahead_block"] > 0
+
+
+def test_eagle3_speculative_decoding_gives_vllms_answers():
+    """vLLM's EAGLE-3 drafter (a seeded random head, eagle_head.py, on SmolLM2's hidden
+    states): vLLM's answers, and a prefix hit's last block recomputed for the drafter (vLLM's
+    EAGLE block drop; the prompts share one cached block, which no request takes as a hit, with
+    either scheduler); the same cached counts and every proposal of the drafter as with vLLM's
+    scheduler."""
+    ours, theirs = _drafter_writing_ahead(eagle_tokens=3)
     # Without the drop every request after the first would take the system prompt's first block
     # (128 tokens) from the cache, as in test_prefix_caching_and_chunked_prefill_gives_vllms_...
     cached = [o["num_cached_tokens"] for o in ours["outputs"]]
@@ -219,7 +214,6 @@ def test_eagle3_speculative_decoding_gives_vllms_answers():
     assert len(mine) == len(vllms) == len(SAMPLING)
     assert [d for i, d in enumerate(mine) if i != SAMPLED] == \
         [d for i, d in enumerate(vllms) if i != SAMPLED]
-    assert stats["num_finished"] == len(SAMPLING) and ours["kv_usage_end"] == 0.0
 
 
 # Structured output (vLLM's grammar backend builds the bitmask of the rows this class
