@@ -53,6 +53,7 @@ class SchedulerConfig:
     num_lookahead_tokens: int
     draft_slots_per_row: int
     recompute_last_hit_block: bool
+    long_prefill_token_threshold_adaptive: bool
     def __init__(
         self,
         num_blocks: int,
@@ -84,6 +85,7 @@ class SchedulerConfig:
         num_lookahead_tokens: int = 0,
         draft_slots_per_row: int = 0,
         recompute_last_hit_block: bool = False,
+        long_prefill_token_threshold_adaptive: bool = False,
     ) -> None: ...
     def validate(self) -> None: ...
     @property

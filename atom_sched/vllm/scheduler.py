@@ -193,6 +193,8 @@ class AtomScheduler(SchedulerInterface):
             eos_token_id=-1,
             policy="mixed",
             long_prefill_token_threshold=threshold,
+            long_prefill_token_threshold_adaptive=bool(
+                getattr(sc, "long_prefill_token_threshold_adaptive", False)),
             enable_kv_events=self.enable_kv_cache_events,
             # With a step in flight a connector's load into a reused block could race the
             # step's writes: freed blocks wait for it (vLLM's defer_block_free).

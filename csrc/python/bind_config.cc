@@ -38,7 +38,7 @@ void add_pickle(py::class_<T>& cls, const std::array<const char*, N>& fields) {
   });
 }
 
-constexpr std::array<const char*, 28> kSchedulerConfigFields = {
+constexpr std::array<const char*, 29> kSchedulerConfigFields = {
     "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "enable_prefix_caching", "enable_chunked_prefill", "num_speculative_tokens", "eos_token_id",
     "stop_token_ids", "scheduler_delay_factor", "enable_kv_events", "num_state_slots",
@@ -46,7 +46,7 @@ constexpr std::array<const char*, 28> kSchedulerConfigFields = {
     "uniform_decode_rows", "host_block_tables", "preemption_victim", "sjf_aging_rate",
     "admission_watermark_blocks", "tenant_weights", "fence_freed_blocks",
     "drop_preempted_outputs", "num_lookahead_tokens", "draft_slots_per_row",
-    "recompute_last_hit_block"};
+    "recompute_last_hit_block", "long_prefill_token_threshold_adaptive"};
 constexpr std::array<const char*, 16> kSamplingParamsFields = {
     "temperature", "top_k", "top_p", "max_tokens", "ignore_eos", "n", "logprobs",
     "stop_token_ids", "stop_token_sequences", "seed", "min_tokens", "priority", "cache_salt",
@@ -144,7 +144,8 @@ void bind_config(py::module_& m) {
                        double sjf_aging_rate, int32_t admission_watermark_blocks,
                        const py::object& tenant_weights, bool fence_freed_blocks,
                        bool drop_preempted_outputs, int32_t num_lookahead_tokens,
-                       int32_t draft_slots_per_row, bool recompute_last_hit_block) {
+                       int32_t draft_slots_per_row, bool recompute_last_hit_block,
+                       bool long_prefill_token_threshold_adaptive) {
              SchedulerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -174,6 +175,7 @@ void bind_config(py::module_& m) {
              c.num_lookahead_tokens = num_lookahead_tokens;
              c.draft_slots_per_row = draft_slots_per_row;
              c.recompute_last_hit_block = recompute_last_hit_block;
+             c.long_prefill_token_threshold_adaptive = long_prefill_token_threshold_adaptive;
              return c;
            }),
            "num_blocks"_a, py::kw_only(), "block_size"_a = 16, "max_num_seqs"_a = 256,
@@ -189,7 +191,8 @@ void bind_config(py::module_& m) {
            "admission_watermark_blocks"_a = 0, "tenant_weights"_a = py::dict(),
            "fence_freed_blocks"_a = false, "drop_preempted_outputs"_a = false,
            "num_lookahead_tokens"_a = 0, "draft_slots_per_row"_a = 0,
-           "recompute_last_hit_block"_a = false)
+           "recompute_last_hit_block"_a = false,
+           "long_prefill_token_threshold_adaptive"_a = false)
       .def_readwrite("num_blocks", &SchedulerConfig::num_blocks)
       .def_readwrite("block_size", &SchedulerConfig::block_size)
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
@@ -227,6 +230,8 @@ void bind_config(py::module_& m) {
       .def_readwrite("num_lookahead_tokens", &SchedulerConfig::num_lookahead_tokens)
       .def_readwrite("draft_slots_per_row", &SchedulerConfig::draft_slots_per_row)
       .def_readwrite("recompute_last_hit_block", &SchedulerConfig::recompute_last_hit_block)
+      .def_readwrite("long_prefill_token_threshold_adaptive",
+                     &SchedulerConfig::long_prefill_token_threshold_adaptive)
       .def_property(
           "tenant_weights", [](const SchedulerConfig& c) { return c.tenant_weights; },
           [](SchedulerConfig& c, const py::object& v) {

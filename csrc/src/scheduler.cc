@@ -578,7 +578,12 @@ bool Scheduler::passed_delay(double now) {
 }
 
 PrefillChunk Scheduler::prefill_chunk() const {
-  return {config_.enable_chunked_prefill, config_.long_prefill_token_threshold};
+  // The cap keeps a long prompt from starving other requests; a lone request has none to starve.
+  const int32_t requests = num_running() + num_waiting();
+  int32_t cap = requests > 1 ? config_.long_prefill_token_threshold : 0;
+  if (cap > 0 && config_.long_prefill_token_threshold_adaptive)
+    cap = std::max(cap, config_.max_num_batched_tokens / requests);
+  return {config_.enable_chunked_prefill, cap};
 }
 
 void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {

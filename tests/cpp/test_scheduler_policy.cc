@@ -227,6 +227,38 @@ TEST(SchedulerTest, LongPrefillThresholdCapsEachRequestsChunk) {
   }
 }
 
+TEST(SchedulerTest, LongPrefillThresholdDoesNotCapARequestAlone) {
+  SchedulerConfig c = Cfg(64);
+  c.max_num_batched_tokens = 32;
+  c.long_prefill_token_threshold = 8;
+  H h(c);
+  h.add(1, Seq(100, 40));
+  auto b1 = h.sched();  // nobody to starve: the whole budget
+  ASSERT_TRUE(b1);
+  EXPECT_EQ(b1->nsched, V{32});
+  h.upd(*b1, V{7});
+  h.add(2, Seq(200, 20));
+  auto b2 = h.sched();  // another request waits: both capped
+  ASSERT_TRUE(b2);
+  EXPECT_EQ(b2->nsched, (V{8, 8}));
+}
+
+TEST(SchedulerTest, AdaptiveLongPrefillThresholdIsFlooredAtAFairShare) {
+  for (bool adaptive : {false, true}) {
+    SCOPED_TRACE(testing::Message() << "adaptive " << adaptive);
+    SchedulerConfig c = Cfg(64);
+    c.max_num_batched_tokens = 32;
+    c.long_prefill_token_threshold = 4;
+    c.long_prefill_token_threshold_adaptive = adaptive;
+    H h(c);
+    h.add(1, Seq(100, 40));
+    h.add(2, Seq(200, 40));
+    auto b = h.sched();  // a fair share is 32 / 2 = 16, above the threshold
+    ASSERT_TRUE(b);
+    EXPECT_EQ(b->nsched, adaptive ? (V{16, 16}) : (V{4, 4}));
+  }
+}
+
 TEST(SchedulerTest, LongPrefillThresholdIsValidated) {
   SchedulerConfig c = Cfg(8);
   c.long_prefill_token_threshold = -1;

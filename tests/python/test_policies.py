@@ -211,3 +211,19 @@ def test_draft_padding_is_a_suffix_and_a_refusal_changes_nothing():
     s.update(b, sampled, None, np.array([[11, -1, -1]], np.int32))
     d = s.schedule()
     assert list(d.scheduled_tokens) == [7, 11] and list(d.spec_draft_tokens[0]) == [11, -1, -1]
+
+
+def test_long_prefill_threshold_spares_a_request_alone_and_can_adapt():
+    """vLLM's rules: the cap is for sharing, so a lone request takes the whole budget; with
+    long_prefill_token_threshold_adaptive it is floored at the budget over the requests."""
+    s = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_batched_tokens=32,
+                                  long_prefill_token_threshold=4))
+    s.add_request(0, prompt(40, 100), SamplingParams())
+    assert list(s.schedule().num_scheduled_tokens) == [32]
+    for adaptive, chunks in [(False, [4, 4]), (True, [16, 16])]:
+        s = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_batched_tokens=32,
+                                      long_prefill_token_threshold=4,
+                                      long_prefill_token_threshold_adaptive=adaptive))
+        s.add_request(0, prompt(40, 100), SamplingParams())
+        s.add_request(1, prompt(40, 200), SamplingParams())
+        assert list(s.schedule().num_scheduled_tokens) == chunks

@@ -94,8 +94,12 @@ struct SchedulerConfig {
   // most kMaxExtraKeyBytes bytes.
   std::map<std::string, double> tenant_weights;
   // > 0: one request prefills at most this many tokens per step, so a long prompt cannot take
-  // the whole budget (vLLM's; needs chunked prefill). 0: no cap.
+  // the whole budget (vLLM's; needs chunked prefill). 0: no cap. A request alone (nothing else
+  // running or waiting) is not capped: it has nobody to starve (vLLM's rule too).
   int32_t long_prefill_token_threshold = 0;
+  // With a threshold: never cap below a fair share of the budget, max_num_batched_tokens over
+  // the requests running and waiting (vLLM's long_prefill_token_threshold_adaptive).
+  bool long_prefill_token_threshold_adaptive = false;
   // Publish the blocks a request fills while it decodes, once their tokens are verified, so a
   // follow-up turn that resends the conversation hits them (vLLM's behaviour). false: only
   // prompt blocks are cached, as ATOM.

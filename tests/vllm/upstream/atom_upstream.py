@@ -175,10 +175,6 @@ EXPECTED: list[tuple[str, str, str]] = [
      "its leak check reads kv_cache_manager and encoder_cache_manager (the run before it "
      "passes)"),
     # ---- documented policy differences ----
-    (S + "test_long_prefill_threshold_ignored_when_alone", "policy",
-     "long_prefill_token_threshold is fixed in the core: not lifted for a lone request"),
-    (S + "test_long_prefill_threshold_floored_by_fair_share", "policy",
-     "long_prefill_token_threshold is fixed in the core: no adaptive fair-share floor"),
     (S + "test_schedule_concurrent_batches", "policy",
      "a second schedule() before the first update_from_output without async scheduling "
      "(vLLM's batch queue with pipeline parallelism, refused): the core schedules the running "
