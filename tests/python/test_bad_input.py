@@ -122,6 +122,18 @@ def test_config_wrong_type_is_type_error() -> None:
         Scheduler("not a config")
 
 
+@pytest.mark.parametrize("field", ["recompute_last_hit_block",
+                                   "long_prefill_token_threshold_adaptive"])
+@pytest.mark.parametrize("bad", ["yes", [True], {"on": 1}])
+def test_config_flag_refuses_what_is_not_a_flag(field: str, bad: Any) -> None:
+    with pytest.raises(TypeError):
+        SchedulerConfig(num_blocks=8, **{field: bad})
+    c = SchedulerConfig(num_blocks=8, **{field: True})
+    with pytest.raises(TypeError):
+        setattr(c, field, bad)
+    assert getattr(c, field) is True, "a refused value changed the field"
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling parameters
 # ---------------------------------------------------------------------------------------------

@@ -379,7 +379,8 @@ class Scheduler {
   [[nodiscard]] int32_t lookahead_blocks(const Request& r) const;
   /// The token count at which a length rule (max_tokens, max_model_len, kv_capacity) ends it.
   [[nodiscard]] int32_t final_length(const Request& r) const;
-  /// The admission chunk rule of this configuration (policy.h).
+  /// This step's prefill chunk rule (policy.h): the long-prefill cap as it applies to the
+  /// requests running and waiting now.
   [[nodiscard]] PrefillChunk prefill_chunk() const;
   /// The running request preempted first among running_[from..] (policy.h's VictimChoice).
   [[nodiscard]] int32_t preemption_victim(size_t from);
