@@ -47,10 +47,10 @@ constexpr std::array<const char*, 29> kSchedulerConfigFields = {
     "admission_watermark_blocks", "tenant_weights", "fence_freed_blocks",
     "drop_preempted_outputs", "num_lookahead_tokens", "draft_slots_per_row",
     "recompute_last_hit_block", "long_prefill_token_threshold_adaptive"};
-constexpr std::array<const char*, 16> kSamplingParamsFields = {
+constexpr std::array<const char*, 17> kSamplingParamsFields = {
     "temperature", "top_k", "top_p", "max_tokens", "ignore_eos", "n", "logprobs",
     "stop_token_ids", "stop_token_sequences", "seed", "min_tokens", "priority", "cache_salt",
-    "lora_name", "length_hint", "tenant"};
+    "lora_name", "length_hint", "tenant", "resumable"};
 
 // SchedulerConfig.policy in Python.
 const char* policy_name(BatchPolicy p) { return p == BatchPolicy::kMixed ? "mixed" : "atom"; }
@@ -260,7 +260,7 @@ void bind_config(py::module_& m) {
                        std::vector<std::vector<int32_t>> stop_token_sequences, int64_t seed,
                        int32_t min_tokens, int32_t priority, const py::object& cache_salt,
                        const py::object& lora_name, int32_t length_hint,
-                       const py::object& tenant) {
+                       const py::object& tenant, bool resumable) {
              SamplingParams p;
              p.temperature = temperature;
              p.top_k = top_k;
@@ -278,6 +278,7 @@ void bind_config(py::module_& m) {
              p.lora_name = extra_key_text(lora_name, "lora_name");
              p.length_hint = length_hint;
              p.tenant = extra_key_text(tenant, "tenant");
+             p.resumable = resumable;
              p.validate();
              return p;
            }),
@@ -286,7 +287,8 @@ void bind_config(py::module_& m) {
            "stop_token_ids"_a = std::vector<int32_t>{},
            "stop_token_sequences"_a = std::vector<std::vector<int32_t>>{}, "seed"_a = -1,
            "min_tokens"_a = 0, "priority"_a = 0, "cache_salt"_a = py::str(""),
-           "lora_name"_a = py::str(""), "length_hint"_a = 0, "tenant"_a = py::str(""))
+           "lora_name"_a = py::str(""), "length_hint"_a = 0, "tenant"_a = py::str(""),
+           "resumable"_a = false)
       .def_readwrite("temperature", &SamplingParams::temperature)
       .def_readwrite("top_k", &SamplingParams::top_k)
       .def_readwrite("top_p", &SamplingParams::top_p)
@@ -300,6 +302,9 @@ void bind_config(py::module_& m) {
       .def_readwrite("min_tokens", &SamplingParams::min_tokens)
       .def_readwrite("priority", &SamplingParams::priority)
       .def_readwrite("length_hint", &SamplingParams::length_hint)
+      .def_readwrite("resumable", &SamplingParams::resumable,
+                     "A streaming-input session: a stop ends its turn, and it waits for "
+                     "Scheduler.continue_session().")
       .def_property(
           "tenant", [](const SamplingParams& p) { return p.tenant; },
           [](SamplingParams& p, const py::object& v) { p.tenant = extra_key_text(v, "tenant"); })
@@ -320,7 +325,8 @@ void bind_config(py::module_& m) {
                ", max_tokens=" + std::to_string(p.max_tokens) +
                ", min_tokens=" + std::to_string(p.min_tokens) +
                ", ignore_eos=" + (p.ignore_eos ? "True" : "False") +
-               ", priority=" + std::to_string(p.priority) + ")";
+               ", priority=" + std::to_string(p.priority) +
+               (p.resumable ? ", resumable=True" : "") + ")";
       });
   add_pickle(params, kSamplingParamsFields);
 }

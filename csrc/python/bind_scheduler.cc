@@ -68,18 +68,26 @@ struct RequestOutput {
   int64_t request_id;
   std::vector<int32_t> output_tokens;
   bool finished;
+  bool awaiting_input;  // a session's turn ended (finish_reason says why); it waits for input
   std::optional<std::string> finish_reason;
   int32_t num_cached_tokens;
   std::optional<std::vector<float>> logprobs;
 };
+
+bool awaits_input(const StepOutput& so, int32_t i) {
+  const auto& e = so.awaiting_input_entries;
+  return std::binary_search(e.begin(), e.end(), i);
+}
 
 RequestOutput make_output(const StepOutput& so, int32_t i) {
   RequestOutput o;
   o.request_id = so.req_ids[i];
   const int32_t lo = so.token_offsets[i], hi = so.token_offsets[i + 1];
   o.output_tokens.assign(so.new_tokens.begin() + lo, so.new_tokens.begin() + hi);
-  o.finished = so.finish_reasons[i] != FinishReason::kNone;
-  if (o.finished) o.finish_reason = finish_reason_string(so.finish_reasons[i], so.stop_tokens[i]);
+  const bool stopped = so.finish_reasons[i] != FinishReason::kNone;
+  o.awaiting_input = stopped && awaits_input(so, i);
+  o.finished = stopped && !o.awaiting_input;
+  if (stopped) o.finish_reason = finish_reason_string(so.finish_reasons[i], so.stop_tokens[i]);
   o.num_cached_tokens = so.prefix_hit_tokens[i];
   if (!so.new_logprobs.empty() && so.wants_logprobs[i])
     o.logprobs.emplace(so.new_logprobs.begin() + lo, so.new_logprobs.begin() + hi);
@@ -184,6 +192,7 @@ const char* status_name(RequestStatus s) {
     case RequestStatus::kWaiting: return "waiting";
     case RequestStatus::kRunning: return "running";
     case RequestStatus::kWaitingForRemoteKv: return "waiting_for_remote_kv";
+    case RequestStatus::kWaitingForInput: return "waiting_for_input";
     case RequestStatus::kFinished: break;
   }
   return "finished";
@@ -327,6 +336,7 @@ py::dict request_state(const Request& r) {
   d["prefill_target"] = r.prefill_target;
   d["num_inflight"] = r.num_inflight;
   d["remote_ready"] = r.remote_ready;
+  d["resumable"] = r.resumable;
   d["prefix_hit_tokens"] = r.prefix_hit_tokens;
   d["token_ids"] = r.tokens;
   d["output_token_ids"] =
@@ -398,6 +408,9 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("request_id", &RequestOutput::request_id)
       .def_readonly("output_tokens", &RequestOutput::output_tokens)
       .def_readonly("finished", &RequestOutput::finished)
+      .def_readonly("awaiting_input", &RequestOutput::awaiting_input,
+                    "A streaming-input session's turn ended (finish_reason says why): it waits "
+                    "for Scheduler.continue_session(), unfinished.")
       .def_readonly("finish_reason", &RequestOutput::finish_reason)
       .def_readonly("num_cached_tokens", &RequestOutput::num_cached_tokens)
       .def_readonly("logprobs", &RequestOutput::logprobs)
@@ -405,6 +418,7 @@ void bind_scheduler(py::module_& m) {
         return "RequestOutput(request_id=" + std::to_string(o.request_id) +
                ", new_tokens=" + std::to_string(o.output_tokens.size()) +
                ", finished=" + (o.finished ? "True" : "False") +
+               (o.awaiting_input ? ", awaiting_input=True" : "") +
                (o.finish_reason ? ", finish_reason='" + *o.finish_reason + "'" : "") + ")";
       });
 
@@ -446,8 +460,27 @@ void bind_scheduler(py::module_& m) {
                                auto w = a.mutable_unchecked<1>();
                                for (int32_t i = 0; i < so.size(); ++i)
                                  w(i) = so.finish_reasons[i] != FinishReason::kNone;
+                               for (int32_t i : so.awaiting_input_entries) w(i) = false;
                                return a;
                              })
+      .def_property_readonly(
+          "awaiting_input",
+          [](const StepOutputView& v) {
+            const StepOutput& so = v.get();
+            py::array_t<bool> a(so.size());
+            auto w = a.mutable_unchecked<1>();
+            for (int32_t i = 0; i < so.size(); ++i) w(i) = false;
+            for (int32_t i : so.awaiting_input_entries) w(i) = true;
+            return a;
+          },
+          "Per entry: a streaming-input session ended its turn (finish_reason(i) says why) "
+          "and waits for input, unfinished.")
+      .def_property_readonly(
+          "num_awaiting_input",
+          [](const StepOutputView& v) {
+            return static_cast<int32_t>(v.get().awaiting_input_entries.size());
+          },
+          "How many entries ended a session's turn (0 without sessions: a cheap test).")
       .def_property_readonly("num_cached_tokens",
                              [](py::object self) {
                                const StepOutput& so = self.cast<const StepOutputView&>().get();
@@ -625,6 +658,28 @@ void bind_scheduler(py::module_& m) {
           "Preempt a running request now (recompute): KV freed, tokens kept, back to the head "
           "of waiting. KeyError if not live, ValueError if not running.")
       .def(
+          "continue_session",
+          [](SchedulerHandle& h, int64_t id, py::handle tokens,
+             std::optional<SamplingParams> params, std::optional<double> arrival_time) {
+            Int32Input t(tokens, "prompt_token_ids", 1);
+            const SamplingParams p = params ? *params : SamplingParams{};
+            const double at = arrival_time ? *arrival_time : monotonic_seconds();
+            with_core(h, [&](Scheduler& c) { c.continue_session(id, t.span(), p, at); });
+          },
+          "request_id"_a, "prompt_token_ids"_a, "sampling_params"_a = py::none(),
+          "arrival_time"_a = py::none(),
+          "Give a session waiting for input its next turn: its last sampled token dropped, "
+          "these tokens appended to its prompt, these sampling parameters. KeyError if not "
+          "live, ValueError if not waiting for input or on a bad value (nothing changes).")
+      .def(
+          "end_session",
+          [](SchedulerHandle& h, int64_t id) {
+            with_core(h, [&](Scheduler& c) { c.end_session(id); });
+          },
+          "request_id"_a,
+          "No more input: a session waiting for input ends now (aborted); otherwise its "
+          "current turn is its last. KeyError if not live.")
+      .def(
           "set_drafts",
           [](SchedulerHandle& h, int64_t id, py::handle drafts) {
             Int32Input d(drafts, "draft_token_ids", 1);
@@ -675,6 +730,9 @@ void bind_scheduler(py::module_& m) {
            })
       .def_property_readonly("config", locked([](Scheduler& c) { return c.config(); }))
       .def_property_readonly("num_waiting", locked([](Scheduler& c) { return c.num_waiting(); }))
+      .def_property_readonly("num_waiting_for_input",
+                             locked([](Scheduler& c) { return c.num_waiting_for_input(); }),
+                             "Sessions between turns whose next input has not arrived.")
       .def_property_readonly("num_running", locked([](Scheduler& c) { return c.num_running(); }))
       .def_property_readonly("num_outstanding_batches",
                              locked([](Scheduler& c) { return c.num_outstanding_batches(); }))

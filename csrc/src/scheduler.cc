@@ -197,7 +197,7 @@ void Scheduler::list_remove(List& l, int32_t slot) {
 
 std::vector<int64_t> Scheduler::waiting_ids() const {
   std::vector<int64_t> out;
-  for (const List* l : {&waiting_, &remote_waiting_})
+  for (const List* l : {&waiting_, &remote_waiting_, &sessions_resuming_})
     for (int32_t s = l->head; s >= 0; s = links_[s].next) out.push_back(requests_[s].id);
   return out;
 }
@@ -324,6 +324,10 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
     throw InvalidArgument("request " + id_str(id) + " has priority " +
                           std::to_string(params.priority) +
                           " but priority scheduling is not enabled (scheduling=\"priority\")");
+  if (params.resumable && config_.num_state_slots > 0)
+    throw InvalidArgument("request " + id_str(id) + ": a streaming-input session (resumable) "
+                          "needs KV it can rewind by a token, and per-request state slots "
+                          "(num_state_slots > 0) cannot be rewound");
 
   const int32_t slot = new_slot();
   Request& r = requests_[slot];
@@ -337,6 +341,9 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.num_prompt_tokens = static_cast<int32_t>(prompt.size());
   r.prefix_hit_tokens = 0;
   r.loaded_tokens = 0;
+  r.kept_tokens = 0;
+  r.resumable = params.resumable;
+  r.input_ready = false;
   r.state_slot = -1;
   r.epoch = 0;
   r.temperature = params.temperature;
@@ -355,13 +362,8 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.cache_salt = params.cache_salt;
   r.hash_namespace = hash_namespace(params.lora_name, params.cache_salt);
   r.arrival_seq = next_arrival_seq_++;
-  // Reserve for the request's whole life once, so decode steps never reallocate.
-  const int64_t most_tokens =
-      std::min<int64_t>(int64_t{r.num_prompt_tokens} + params.max_tokens,
-                        std::max<int64_t>(config_.max_model_len, r.num_prompt_tokens)) +
-      k_ + 1;
   r.tokens.clear();
-  r.tokens.reserve(most_tokens);
+  r.tokens.reserve(lifetime_tokens(r.num_prompt_tokens, params.max_tokens));
   r.set_tokens(prompt.data(), prompt.size());
   r.block_table.clear();
   r.block_table.reserve(table_width_);
@@ -421,6 +423,7 @@ void Scheduler::preempt_request(int64_t id) {
   if (status != RequestStatus::kRunning) {
     const char* what = status == RequestStatus::kWaiting               ? "waiting"
                        : status == RequestStatus::kWaitingForRemoteKv ? "waiting for remote KV"
+                       : status == RequestStatus::kWaitingForInput    ? "waiting for input"
                                                                        : "finished";
     throw InvalidArgument("preempt_request(" + id_str(id) + "): the request is " + what +
                           ", not running");
@@ -476,6 +479,8 @@ void Scheduler::finish(int32_t slot, FinishReason reason, int32_t stop_token) {
     remove_running(r);
   } else if (r.status == RequestStatus::kWaitingForRemoteKv) {
     list_remove(remote_waiting_, slot);
+  } else if (r.status == RequestStatus::kWaitingForInput) {
+    list_remove(r.input_ready ? sessions_resuming_ : sessions_waiting_, slot);
   } else {
     list_remove(waiting_, slot);
   }
@@ -525,8 +530,10 @@ std::optional<std::string> Scheduler::unschedulable_reason(const Request& r) con
   // ATOM checked num_tokens here, so a preempted request that had grown past the budget was
   // rejected on readmission (8.9); a preempted request is re-prefilled in chunks instead.
   // (A row also takes its drafter's input slots: token_room().)
-  if (!config_.enable_chunked_prefill && r.num_prompt_tokens > token_room(0, 0))
-    return "input tokens=" + std::to_string(r.num_prompt_tokens) +
+  // (A resuming session computes only its new tokens.)
+  const int32_t to_compute = r.num_prompt_tokens - r.num_computed_tokens;
+  if (!config_.enable_chunked_prefill && to_compute > token_room(0, 0))
+    return "input tokens=" + std::to_string(to_compute) +
            (config_.draft_slots_per_row ? " and the drafter's inputs" : "") +
            " > max_num_batched_tokens=" +
            std::to_string(config_.max_num_batched_tokens) +
@@ -607,9 +614,13 @@ void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
   // waiting under FCFS, possibly the request whose row preempted itself) would be re-admitted to
   // recompute the KV the step has just freed. Only a mixed step decodes, so preempts, before
   // it admits; Phase 1 rows hold their blocks already.
+  if (!step_victims_[next_buffer_].empty()) return;
+  // Sessions whose next input arrived hold their KV already, like requests whose remote KV
+  // arrived: they go first, whatever admit_waiting and the delay factor say (vLLM drains its
+  // KV-holding queue first, under PAUSED_NEW too).
+  if (sessions_resuming_.size > 0 && !resume_sessions(b, chunk_of)) return;
   if (!admit_waiting) return;
   if (config_.scheduler_delay_factor > 0 && !passed_delay(now)) return;
-  if (!step_victims_[next_buffer_].empty()) return;
   const int32_t bs = config_.block_size;
   const bool needs_state = config_.num_state_slots > 0;
   const AdmissionHeadroom headroom{config_.admission_watermark_blocks};
@@ -620,7 +631,7 @@ void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
   std::vector<int32_t>& skipped = admission_skipped_;
   skipped.clear();
   while (waiting_.size > static_cast<int32_t>(skipped.size()) && b.num_rows < max_rows &&
-         num_running() < max_rows && row_token_room(b) > 0) {
+         num_seated() < max_rows && row_token_room(b) > 0) {
     const int32_t s = fair            ? fair_pick(tenant_counters_, skipped)
                       : skipped.empty() ? waiting_.head
                                         : links_[skipped.back()].next;
@@ -640,6 +651,7 @@ void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
                                             headroom(num_running()) + ahead);
     if (hits < 0) break;  // head-of-line blocking, as ATOM
     r.prefix_hit_tokens = hits * bs;
+    r.kept_tokens = 0;  // (a preempted session recomputes its turns like any prompt)
     // The connector is asked only once the request fits (ATOM asked before, 8.5).
     RemoteMatch match;
     if (connector_) {
@@ -744,7 +756,7 @@ void Scheduler::admit_remote_ready() {
   // joins the decode set whatever the delayer or the delay factor say, and whatever blocks the
   // head of `waiting` (ATOM rotated such requests through `waiting`, where a blocked head could
   // hold them back forever while they held the very blocks it needed).
-  for (int32_t s = remote_waiting_.head; s >= 0 && num_running() < config_.max_num_seqs;) {
+  for (int32_t s = remote_waiting_.head; s >= 0 && num_seated() < config_.max_num_seqs;) {
     const int32_t next = links_[s].next;
     if (requests_[s].remote_ready) {
       list_remove(remote_waiting_, s);
@@ -786,7 +798,7 @@ int32_t Scheduler::count_admittable_head_prefills(int32_t limit) {
   for (int32_t s = fair ? fair_pick(tenant_counters_) : waiting_.head;
        s >= 0 && probed < 4 && count < limit && tokens < budget; s = next(s), ++probed) {
     Request& r = requests_[s];
-    if (num_running() + count >= config_.max_num_seqs) break;
+    if (num_seated() + count >= config_.max_num_seqs) break;
     if (unschedulable_reason(r)) continue;  // the loop rejects it: it blocks nothing
     if (r.num_inflight > 0) break;
     ensure_block_hashes(r, probe_blocks(r));
@@ -983,7 +995,7 @@ const Batch* Scheduler::schedule(double now, bool allow_prefill, bool admit_wait
     throw InvalidArgument("schedule(): " + std::to_string(kMaxOutstandingBatches) +
                           " batches are outstanding; pass the oldest to update() first");
   admit_remote_ready();
-  if (waiting_.size == 0 && num_running() == 0) return nullptr;
+  if (waiting_.size == 0 && sessions_resuming_.size == 0 && num_running() == 0) return nullptr;
   // The buffer still holds the batch before the outstanding one, whose views stay valid until
   // this call returns a batch: keep its header if this call returns none.
   Batch& b = batches_[next_buffer_];

@@ -110,6 +110,25 @@ void Scheduler::check_invariants() const {
     ++live;
     check(slot_of(r.id) == static_cast<int32_t>(s), who + "id map disagrees");
     check(r.num_tokens() >= r.num_prompt_tokens, who + "lost prompt tokens");
+    if (r.status == RequestStatus::kWaitingForInput) {
+      // A session between turns: its KV up to its last sampled token (or, once its input
+      // arrived, up to the new tokens), its device slot; no state slot (add_request refuses).
+      check(r.resumable || r.input_ready, who + "waits for input but is not a session");
+      check(r.num_computed_tokens == r.num_tokens() - 1 ||
+                (r.input_ready && r.num_computed_tokens < r.num_tokens()),
+            who + "waits for input but its computed tokens are not its tokens less the last");
+      check(static_cast<int32_t>(r.block_table.size()) >= ceil_div(r.num_computed_tokens, bs),
+            who + "waits for input but its blocks do not cover its computed tokens");
+      check(r.blocks_published * bs <= r.num_computed_tokens,
+            who + "published a block past its computed tokens");
+      check(r.state_slot < 0, who + "waits for input holding a state slot");
+      check(r.device_slot >= 0 && r.device_slot < config_.max_num_seqs &&
+                !device_slot_used[r.device_slot],
+            who + "device slot missing or shared");
+      device_slot_used[r.device_slot] = 1;
+      count_blocks(r, who);
+      continue;
+    }
     if (r.status != RequestStatus::kRunning) {
       const bool remote = r.status == RequestStatus::kWaitingForRemoteKv;
       check(remote || r.block_table.empty(), who + "waiting but holds KV");
@@ -139,7 +158,8 @@ void Scheduler::check_invariants() const {
   }
   check(deferred == static_cast<int32_t>(deferred_.size()), "deferred map holds stale ids");
   check(live == static_cast<int32_t>(slot_by_id_.size()), "id map holds dead requests");
-  check(num_running() <= config_.max_num_seqs, "running set exceeds max_num_seqs");
+  check(num_seated() <= config_.max_num_seqs,
+        "running requests and sessions between turns exceed max_num_seqs");
   const ServiceOrder order{config_.scheduling};
   auto walk = [&](const List& l, RequestStatus status, const char* name) {
     int32_t count = 0, prev = -1;
@@ -148,6 +168,7 @@ void Scheduler::check_invariants() const {
             std::string(name) + " list holds a request in another state");
       check(links_[s].prev == prev, std::string(name) + " list back link broken");
       check(!order.sorted() || prev < 0 || status == RequestStatus::kWaitingForRemoteKv ||
+                status == RequestStatus::kWaitingForInput ||
                 order(requests_[prev], requests_[s]),
             std::string(name) + " list is not in service order");
       prev = s;
@@ -157,6 +178,12 @@ void Scheduler::check_invariants() const {
   };
   walk(waiting_, RequestStatus::kWaiting, "waiting");
   walk(remote_waiting_, RequestStatus::kWaitingForRemoteKv, "remote-waiting");
+  walk(sessions_waiting_, RequestStatus::kWaitingForInput, "sessions-waiting");
+  walk(sessions_resuming_, RequestStatus::kWaitingForInput, "sessions-resuming");
+  for (int32_t s = sessions_resuming_.head; s >= 0; s = links_[s].next)
+    check(requests_[s].input_ready, "a session without input is in the resuming list");
+  for (int32_t s = sessions_waiting_.head; s >= 0; s = links_[s].next)
+    check(!requests_[s].input_ready, "a session with input is in the waiting-for-input list");
   std::vector<uint8_t> seen(requests_.size(), 0);
   std::vector<int32_t> partial;  // the running set's partial prefills, in its order
   int32_t holes = 0, prev = -1;
@@ -190,7 +217,7 @@ void Scheduler::check_invariants() const {
         "the running set's hole count is wrong, or it ends with a hole");
   check(running_.size() <= steady_.bound.size(), "the running set outgrew its steady columns");
   check(partial == partial_, "the partial prefills are not tracked in running order");
-  check(waiting_.size + remote_waiting_.size + num_running() == live,
+  check(num_waiting() + num_waiting_for_input() + num_running() == live,
         "a live request is in no queue");
   check(std::count(device_slot_used.begin(), device_slot_used.end(), 1) == config_.max_num_seqs,
         "a device slot leaked");

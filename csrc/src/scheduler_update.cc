@@ -227,6 +227,11 @@ void Scheduler::finish_entry(int32_t entry, int32_t slot, FinishReason reason,
                              int32_t stop_token) {
   StepOutput& so = step_output_;
   const Request& r = requests_[slot];
+  if (r.resumable) {  // a session's turn ends: it waits for its next input
+    so.awaiting_input_entries.push_back(entry);
+    end_turn(slot);
+    return;
+  }
   so.finished_entries.push_back(entry);
   so.finished_tokens.insert(so.finished_tokens.end(), r.tokens.begin(), r.tokens.end());
   so.finished_offsets.push_back(static_cast<int32_t>(so.finished_tokens.size()));
@@ -524,6 +529,9 @@ template <bool kSpec>
     release_slot_if_done(slot);
     return;
   }
+  // A session whose turn ended meanwhile: the row input its last sampled token, which its next
+  // turn drops.
+  if (r.status == RequestStatus::kWaitingForInput) return;
   const bool running = r.status == RequestStatus::kRunning;
   if (!running && config_.drop_preempted_outputs) return;  // preempted meanwhile: recomputed
   int32_t accepted = 1;
@@ -624,6 +632,7 @@ const StepOutput& Scheduler::update(uint64_t batch_id, const ModelOutputs& out) 
   so.prefix_hit_tokens.resize(rows);
   so.wants_logprobs.resize(rows);
   so.finished_entries.clear();
+  so.awaiting_input_entries.clear();
   so.finished_offsets.resize(1);
   so.finished_tokens.clear();
   // Filled so far; a local (not a member), so the column stores cannot alias it.

@@ -154,6 +154,7 @@ struct ROut {
   FinishReason reason = FinishReason::kNone;
   std::string why;  // finish_reason_string, "" while running
   int32_t hit_tokens = 0;
+  bool awaiting_input = false;  // a session's turn ended (reason says why): not finished
 };
 
 struct Outs {
@@ -259,6 +260,8 @@ class H {
         o.why = finish_reason_string(o.reason, out.stop_tokens.at(i));
       }
       o.hit_tokens = out.prefix_hit_tokens.at(i);
+      const auto& ai = out.awaiting_input_entries;
+      o.awaiting_input = std::binary_search(ai.begin(), ai.end(), i);
       const int64_t id = out.req_ids[i];
       EXPECT_TRUE(r.by_id.emplace(id, o).second) << "request " << id << " twice in one output";
       r.order.push_back(id);
@@ -273,6 +276,15 @@ class H {
             EXPECT_TRUE(std::equal(o.tokens.begin(), o.tokens.end(), t.end() - o.tokens.size()))
                 << "streamed tokens of " << id << " are not the tail of its tokens";
           }
+        }
+      } else if (o.awaiting_input) {
+        // A session's turn ended: live, waiting for input, its last token the entry's last.
+        EXPECT_EQ(std::count(out.finished_entries.begin(), out.finished_entries.end(), i), 0)
+            << "session " << id << " ended a turn but is listed as finished";
+        EXPECT_TRUE(s.contains(id) && s.request(id).status == RequestStatus::kWaitingForInput)
+            << "session " << id << " ended a turn but does not wait for input";
+        if (s.contains(id) && !o.tokens.empty()) {
+          EXPECT_EQ(s.request(id).tokens.back(), o.tokens.back());
         }
       } else {
         // Its whole sequence is in the output, ending with this step's tokens.
@@ -296,6 +308,8 @@ class H {
     }
     EXPECT_EQ(out.finished_entries.size() + 1, out.finished_offsets.size());
     EXPECT_TRUE(std::is_sorted(out.finished_entries.begin(), out.finished_entries.end()));
+    EXPECT_TRUE(std::is_sorted(out.awaiting_input_entries.begin(),
+                               out.awaiting_input_entries.end()));
     return r;
   }
 
@@ -316,7 +330,10 @@ class H {
       }
     }
     for (int64_t id : s.waiting_ids()) {
-      if (s.request(id).status == RequestStatus::kWaitingForRemoteKv) continue;  // holds its KV
+      const RequestStatus st = s.request(id).status;
+      // These hold their KV: remote KV arriving, a session whose next input arrived.
+      if (st == RequestStatus::kWaitingForRemoteKv || st == RequestStatus::kWaitingForInput)
+        continue;
       EXPECT_EQ(s.request(id).status, RequestStatus::kWaiting) << id;
       EXPECT_TRUE(s.request(id).block_table.empty()) << "waiting request " << id << " holds KV";
     }

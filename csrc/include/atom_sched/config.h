@@ -143,6 +143,9 @@ struct SamplingParams {
   std::string lora_name;
   std::vector<int32_t> stop_token_ids;                // per-request stop tokens
   std::vector<std::vector<int32_t>> stop_token_sequences;  // stop when generated tokens end so
+  // A streaming-input session (vLLM's resumable requests): a stop rule ends its turn, not the
+  // request, which keeps its KV and waits for its next input (Scheduler::continue_session()).
+  bool resumable = false;
 
   /// Throws InvalidArgument naming the first invalid field.
   void validate() const;

@@ -22,7 +22,15 @@ namespace atom_sched {
 
 /// kWaitingForRemoteKv: queued in `waiting` with KV blocks allocated, until a KV connector reports
 /// that the remote prefill's KV has arrived (prefill/decode disaggregation).
-enum class RequestStatus : uint8_t { kWaiting, kRunning, kFinished, kWaitingForRemoteKv };
+/// kWaitingForInput: a streaming-input session between turns: it keeps its KV blocks and its
+/// device slot (it counts against max_num_seqs) until its next input arrives and it resumes.
+enum class RequestStatus : uint8_t {
+  kWaiting,
+  kRunning,
+  kFinished,
+  kWaitingForRemoteKv,
+  kWaitingForInput
+};
 
 struct alignas(64) Request {
   // Grouped by the cache lines a steady decode step touches, so that a row costs one line of
@@ -81,6 +89,8 @@ struct alignas(64) Request {
   bool remote_ready = false;   // kWaitingForRemoteKv: the KV has arrived
   bool awaiting_send = false;  // finished; blocks kept until the connector has sent them
   bool awaiting_recv = false;  // finished while its KV was still arriving; blocks kept till then
+  bool resumable = false;      // a streaming-input session: a stop ends its turn, not the request
+  bool input_ready = false;    // kWaitingForInput: its next input has arrived (it may resume)
   int32_t max_tokens = 0;
   std::vector<int32_t> stop_token_ids;
   std::vector<std::vector<int32_t>> stop_sequences;
@@ -96,6 +106,7 @@ struct alignas(64) Request {
   int32_t stop_token = -1;
   int32_t remote_first_token = -1;      // the producer's first token, injected when the KV arrives
   int32_t loaded_tokens = 0;    // tokens whose KV a connector supplied at the last admission
+  int32_t kept_tokens = 0;      // tokens whose KV a session kept from its last turn (a resume)
   int32_t remote_computed = 0;  // without it: tokens whose KV is present once the load lands
   // Set only with num_unstreamed > 0 (which guards every read on the step path).
   FinishReason pending_stop = FinishReason::kNone;  // the injected first token already stops it
@@ -122,10 +133,11 @@ struct alignas(64) Request {
     last_block = table_size > 0 ? block_table.back() : -1;
   }
   [[nodiscard]] int32_t num_generated() const noexcept { return num_tokens() - num_prompt_tokens; }
-  /// Tokens this engine has computed for it since its last admission: neither its prefix hits
-  /// nor what a connector loaded (fair share charges these to its tenant).
+  /// Tokens this engine has computed for it since its last admission: neither its prefix hits,
+  /// nor what a connector loaded, nor a resumed session's kept turn (fair share charges these to
+  /// its tenant).
   [[nodiscard]] int32_t computed_here() const noexcept {
-    const int32_t here = num_computed_tokens - prefix_hit_tokens - loaded_tokens;
+    const int32_t here = num_computed_tokens - prefix_hit_tokens - loaded_tokens - kept_tokens;
     return here > 0 ? here : 0;
   }
   [[nodiscard]] bool is_partial_prefill() const noexcept {

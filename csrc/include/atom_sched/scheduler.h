@@ -135,6 +135,33 @@ class Scheduler {
   /// yet updated: that row's tokens are already fixed). Nothing changes on an error.
   void set_drafts(int64_t id, std::span<const int32_t> drafts);
 
+  /// Streaming-input sessions (SamplingParams::resumable): a stop rule (EOS, a stop token or
+  /// sequence, a length limit) ends the session's turn, not the request. update() reports the
+  /// turn's end in the entry's finish reason and lists the entry in
+  /// StepOutput::awaiting_input_entries; the request then waits for input
+  /// (kWaitingForInput), keeping its KV and its device slot (it counts against max_num_seqs),
+  /// with every token but the last it sampled computed. Outputs of its rows still in flight are
+  /// discarded.
+  ///
+  /// continue_session() gives a session waiting for input its next turn: its last sampled token
+  /// is dropped (its KV was never computed), its other tokens become the prompt with `tokens`
+  /// appended, and `params` replace its sampling parameters (max_tokens counts from the new
+  /// prompt; priority, tenant, LoRA and cache salt stay the session's, and lora_name and
+  /// cache_salt must equal them: its KV was computed under them; params.resumable false makes
+  /// this turn its last). It resumes at a later schedule() once its rows in flight have landed,
+  /// before any admission, prefilling only the new tokens, with blocks for them taken from the
+  /// pool (never from the prefix cache: its own KV is already in its blocks). UnknownRequest if
+  /// `id` is not live; InvalidArgument if it is not waiting for input, `tokens` is empty or
+  /// holds a negative id, `params` is invalid, or its LoRA or salt differ. Nothing changes on an
+  /// error.
+  void continue_session(int64_t id, std::span<const int32_t> tokens,
+                        const SamplingParams& params, double arrival_time = 0.0);
+
+  /// The session takes no more input: a session waiting for input ends now (as abort_request(),
+  /// vLLM's rule); otherwise its current turn is its last (its next stop finishes it; nothing
+  /// changes for a request that is not a session). UnknownRequest if `id` is not live.
+  void end_session(int64_t id);
+
   /// Chooses the next batch. Returns nullptr (and changes nothing but the delay clock) when there
   /// is nothing to run. `allow_prefill = false` is a data-parallel veto: only decode rows run.
   /// `admit_waiting = false` (vLLM's PAUSED_NEW): nothing is admitted from `waiting`; running
@@ -185,9 +212,15 @@ class Scheduler {
   [[nodiscard]] const BlockPool& block_pool() const noexcept { return pool_; }
   /// Owns the memory of every Batch schedule() returns: views into them may share it.
   [[nodiscard]] std::shared_ptr<const void> batch_storage() const { return batches_.storage(); }
-  /// Requests not running: waiting to be admitted, or waiting for remote KV.
+  /// Requests not running: waiting to be admitted, waiting for remote KV, or sessions whose next
+  /// input has arrived.
   [[nodiscard]] int32_t num_waiting() const noexcept {
-    return waiting_.size + remote_waiting_.size;
+    return waiting_.size + remote_waiting_.size + sessions_resuming_.size;
+  }
+  /// Sessions between turns, their next input not arrived yet: not unfinished work (nothing
+  /// can run for them), but each holds its KV and a device slot.
+  [[nodiscard]] int32_t num_waiting_for_input() const noexcept {
+    return sessions_waiting_.size;
   }
   [[nodiscard]] int32_t num_running() const noexcept {
     return static_cast<int32_t>(running_.size()) - running_holes_;
@@ -198,7 +231,7 @@ class Scheduler {
   }
   [[nodiscard]] int32_t num_outstanding_batches() const noexcept { return num_outstanding_; }
   [[nodiscard]] bool has_unfinished_requests() const noexcept {
-    return waiting_.size + remote_waiting_.size + num_running() > 0;
+    return num_waiting() + num_running() > 0;
   }
   /// The request `id` while its id is in use: live (waiting or running), or finished with its
   /// KV blocks kept for a connector's transfer (status kFinished) until
@@ -207,7 +240,8 @@ class Scheduler {
   [[nodiscard]] const Request& request(int64_t id) const;
   /// Whether `id` is in use, as request() defines it.
   [[nodiscard]] bool contains(int64_t id) const;
-  /// Live request ids in queue order.
+  /// Live request ids in queue order (waiting_ids(): waiting to be admitted, then sessions
+  /// whose next input has arrived).
   [[nodiscard]] std::vector<int64_t> waiting_ids() const;
   [[nodiscard]] std::vector<int64_t> running_ids() const;
 
@@ -377,6 +411,13 @@ class Scheduler {
   }
   /// The blocks admission takes for `r` beyond those of its tokens (the lookahead's).
   [[nodiscard]] int32_t lookahead_blocks(const Request& r) const;
+  /// Token capacity a request reserves for its life (its prompt, its outputs, a row's drafts),
+  /// so that decode steps never reallocate its tokens.
+  [[nodiscard]] size_t lifetime_tokens(int32_t num_prompt, int32_t max_tokens) const {
+    const int64_t most = std::min<int64_t>(int64_t{num_prompt} + max_tokens,
+                                           std::max<int64_t>(config_.max_model_len, num_prompt));
+    return static_cast<size_t>(most + k_ + 1);
+  }
   /// The token count at which a length rule (max_tokens, max_model_len, kv_capacity) ends it.
   [[nodiscard]] int32_t final_length(const Request& r) const;
   /// This step's prefill chunk rule (policy.h): the long-prefill cap as it applies to the
@@ -403,6 +444,17 @@ class Scheduler {
   void take_device_slot(Request& r);
   void release_kv(Request& r, bool keep_blocks = false);  // blocks, state and device slots
   void start_remote_decode(int32_t slot);  // kWaitingForRemoteKv -> running, KV arrived
+  /// Requests holding a device slot: running, and sessions between turns (max_num_seqs bounds).
+  [[nodiscard]] int32_t num_seated() const noexcept {
+    return num_running() + sessions_waiting_.size + sessions_resuming_.size;
+  }
+  /// A running session's turn ended: it leaves the running set keeping its KV and device slot,
+  /// computed up to (not including) its last token, and waits for input.
+  void end_turn(int32_t slot);
+  /// Resumes the sessions whose input arrived, in arrival order, each with a prompt row (its KV
+  /// for the new tokens allocated now); false when one that could resume did not fit (blocks or
+  /// budget): nothing is admitted after it (head of line, as admissions).
+  bool resume_sessions(Batch& b, const PrefillChunk& chunk_of);
   // Tokens after a local hit of `local` whose KV a connector's answer supplies.
   static int32_t external_tokens(const Request& r, int32_t local, const RemoteMatch& m);
   void admit_remote_ready();               // every request whose KV arrived, within max_num_seqs
@@ -540,6 +592,10 @@ class Scheduler {
   // check_invariants() checks that and that no batch holds a request its step preempted.
   std::array<std::vector<int64_t>, kMaxOutstandingBatches> step_victims_;  // [batch buffer]
   List remote_waiting_;  // kWaitingForRemoteKv requests, in arrival order
+  // kWaitingForInput sessions: those whose next input has not arrived (in turn-end order), and
+  // those whose input has (in arrival order of their input).
+  List sessions_waiting_;
+  List sessions_resuming_;
 
   BatchBuffers batches_;
   int32_t next_buffer_ = 0;    // the buffer the next schedule() fills

@@ -26,7 +26,8 @@ enum class FinishReason : uint8_t {
 /// The outputs of one update(). Entry i describes request req_ids[i]: its new tokens are
 /// new_tokens[token_offsets[i] .. token_offsets[i+1]) (their log-probabilities in new_logprobs when
 /// the engine passed them; new_logprobs stays aligned with new_tokens, and wants_logprobs[i] says
-/// whether request i asked for them), and it finished this step if finish_reasons[i] != kNone.
+/// whether request i asked for them), and it finished this step if finish_reasons[i] != kNone
+/// (a streaming-input session's turn ended instead if i is in awaiting_input_entries).
 struct StepOutput {
   uint64_t batch_id = 0;
   std::vector<int64_t> req_ids;
@@ -42,6 +43,9 @@ struct StepOutput {
   // finished_offsets[j+1]) (what an engine writes into its finished sequence; the scheduler
   // forgets the request once it finishes).
   std::vector<int32_t> finished_entries;
+  // The entries whose session ended a turn (their finish reason says why) and waits for input
+  // instead of finishing (SamplingParams::resumable), ascending; never in finished_entries.
+  std::vector<int32_t> awaiting_input_entries;
   std::vector<int32_t> finished_offsets{0};
   std::vector<int32_t> finished_tokens;
 
