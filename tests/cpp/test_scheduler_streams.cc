@@ -199,10 +199,14 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
       c.draft_slots_per_row = std::min(c.num_speculative_tokens, 1);
     // An EAGLE-family drafter's: a prefix hit's last block computed again.
     c.recompute_last_hit_block = seed % 3 == 1;
+    // Streaming-input sessions: some requests resume after their turns end (not with state
+    // slots, which add_request refuses for them).
+    const bool sessions = seed % 4 == 3 && c.num_state_slots == 0;
     const int32_t k = c.num_speculative_tokens;
     H h(c);
     h.check_device_plan = check_plan;
     std::set<int64_t> live;
+    std::set<int64_t> between_turns;  // sessions waiting for input
     std::map<int64_t, int32_t> generated, max_tokens, prompt_len;
     int64_t next_id = 0;
     std::deque<Snap> q;
@@ -218,6 +222,7 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
         p.ignore_eos = rng() % 5 == 0;
         if (rng() % 6 == 0) p.stop_token_sequences = {{5, 6}};
         RandomServiceParams(c, p, rng);
+        if (sessions) p.resumable = rng() % 2 == 0;
         // Arrival times out of add order: priority ties are broken by them.
         h.s.add_request(id, prompt, p, /*arrival_time=*/pick(0, 20) * 0.5);
         h.Inv("add_request");
@@ -250,9 +255,28 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
         // A prompt of max_model_len tokens still gets its one prefill token.
         EXPECT_LE(prompt_len[id] + generated[id], std::max(c.max_model_len, prompt_len[id] + 1))
             << id;
-        if (r.reason != FinishReason::kNone) live.erase(id);
+        if (r.awaiting_input) {
+          between_turns.insert(id);
+        } else if (r.reason != FinishReason::kNone) {
+          live.erase(id);
+        }
       }
       if (testing::Test::HasFailure()) return;
+    };
+    // A session's next turn: a few new tokens, new limits; sometimes its last.
+    auto continue_one = [&](int64_t id, bool last) {
+      SamplingParams p = P(pick(1, 8));
+      p.resumable = !last;
+      RandomServiceParams(c, p, rng);
+      p.priority = 0;  // (a session keeps its own; these are ignored)
+      p.tenant.clear();
+      const V tokens = Seq(pick(4, 9), pick(1, 6));
+      h.s.continue_session(id, tokens, p);
+      h.Inv("continue_session");
+      between_turns.erase(id);
+      generated[id] = 0;
+      max_tokens[id] = p.max_tokens;
+      prompt_len[id] = h.s.request(id).num_prompt_tokens;
     };
     for (int step = 0; step < 400 && !testing::Test::HasFailure(); ++step) {
       if (step < 150) add_some();
@@ -260,9 +284,23 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
         auto it = live.begin();
         std::advance(it, rng() % live.size());
         if (h.s.contains(*it)) {
+          between_turns.erase(*it);
           h.s.abort_request(*it);
           h.Inv("abort_request");
           live.erase(it);
+        }
+      }
+      if (!between_turns.empty() && rng() % 3 == 0) {
+        auto it = between_turns.begin();
+        std::advance(it, rng() % between_turns.size());
+        const int64_t id = *it;
+        if (rng() % 5 == 0) {
+          between_turns.erase(id);
+          h.s.end_session(id);  // no more input: it ends now
+          h.Inv("end_session");
+          live.erase(id);
+        } else {
+          continue_one(id, /*last=*/step >= 300 || rng() % 4 == 0);
         }
       }
       const bool ahead = rng() % 2 == 0;
@@ -285,8 +323,9 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
       }
       (void)h.s.take_events();
     }
-    // Drain: everything must finish.
+    // Drain: everything must finish (a session waiting for input takes its last turn).
     for (int guard = 0; guard < 5000 && !testing::Test::HasFailure(); ++guard) {
+      while (!between_turns.empty()) continue_one(*between_turns.begin(), /*last=*/true);
       if (q.size() < 2) {
         auto b = h.sched();
         for (const auto& rej : h.s.take_rejected()) live.erase(rej.req_id);
