@@ -35,7 +35,7 @@ from vllm.v1.core.sched.output import (
 from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.stats import PrefixCacheStats, RequestSpecDecodeMetrics, SchedulerStats
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import Request, RequestStatus, StreamingUpdate
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.structured_output.utils import strip_speculative_padding
 
@@ -45,6 +45,7 @@ from atom_sched.vllm.kv_events import to_vllm_events
 from atom_sched.vllm.options import TENANT_ARG, policy_options, request_tenant
 from atom_sched.vllm.refusals import UnsupportedFeature
 from atom_sched.vllm.refusals import refuse as _refuse
+from atom_sched.vllm.sessions import SessionInputs, start_next_turn
 
 # Under vLLM's logger, so that its handlers (the server's log) show these lines.
 logger = logging.getLogger("vllm.atom_sched")
@@ -82,6 +83,10 @@ class _Tracked:
     on_runner: bool = False
     ever_scheduled: bool = False
     lora_id: int = 0  # vLLM's lora_int_id, 0 without an adapter
+    # A streaming-input session: the inputs that arrived while its turn runs (None: the stream
+    # closed), and whether its next turn goes to the runner as a new request (vLLM's way).
+    session_inputs: SessionInputs | None = None
+    next_turn: bool = False
 
 
 @dataclass
@@ -340,7 +345,8 @@ class AtomScheduler(SchedulerInterface):
     def add_request(self, request: Request) -> None:
         rid = request.request_id
         if rid in self.requests:
-            raise ValueError(f"duplicate request id {rid!r} (streaming input is not supported)")
+            self._session_input(rid, request)
+            return
         sp = request.sampling_params
         problem = None
         if sp is None or request.pooling_params is not None:
@@ -349,8 +355,6 @@ class AtomScheduler(SchedulerInterface):
             problem = "prompt embeddings"
         elif request.mm_features:
             problem = "multimodal inputs"
-        elif getattr(request, "resumable", False):
-            problem = "streaming-input sessions"
         if problem is not None:
             # What a request asks for comes from its client: raising here would stop vLLM's
             # engine loop for every client, so the request alone ends, with an error.
@@ -392,21 +396,10 @@ class AtomScheduler(SchedulerInterface):
         if request.kv_transfer_params and self.connector is None:
             logger.warning("request %s: kv_transfer_params ignored (no KV connector)", rid)
         eos = sp.eos_token_id
-        stops = sorted(set(sp.stop_token_ids or ()) | ({eos} if eos is not None else set()))
         lora = request.lora_request
         core_id = next(self._next_core_id)
         try:
-            params = atom_sched.SamplingParams(
-                max_tokens=max(1, int(request.max_tokens)),
-                ignore_eos=True,  # EOS is one of the stop ids above (none if ignore_eos)
-                stop_token_ids=stops,
-                min_tokens=min(int(sp.min_tokens or 0), max(1, int(request.max_tokens))),
-                priority=int(request.priority) if self.core_config.scheduling == "priority"
-                else 0,
-                cache_salt=request.cache_salt or "",
-                lora_name=lora.lora_name if lora is not None else "",
-                tenant=tenant,
-            )
+            params = self._core_params(request, sp, request.max_tokens, tenant)
             # vLLM's arrival times are wall-clock; the core wants a finite number that orders
             # them.
             self.core.add_request(core_id, request.prompt_token_ids, params,
@@ -432,6 +425,8 @@ class AtomScheduler(SchedulerInterface):
             request.spec_decode_metrics = RequestSpecDecodeMetrics.new(self.num_spec_tokens)
         self.requests[rid] = request
         tracked = _Tracked(request, rid, core_id, eos)
+        if request.resumable:
+            tracked.session_inputs = SessionInputs()
         if lora is not None and lora.lora_int_id > 0:
             tracked.lora_id = lora.lora_int_id
             self._loras_in_core[lora.lora_int_id] += 1
@@ -439,6 +434,86 @@ class AtomScheduler(SchedulerInterface):
         self._tracked[rid] = tracked
         self._by_core_id[core_id] = rid
         self._tracked_by_core_id[core_id] = tracked
+
+    def _core_params(self, request: Request, sp: Any, max_tokens: int, tenant: str
+                     ) -> atom_sched.SamplingParams:
+        """The core's sampling parameters of a request (or of a session's next turn, with that
+        turn's vLLM ``SamplingParams`` and ``max_tokens``)."""
+        eos = sp.eos_token_id
+        stops = sorted(set(sp.stop_token_ids or ()) | ({eos} if eos is not None else set()))
+        lora = request.lora_request
+        return atom_sched.SamplingParams(
+            max_tokens=max(1, int(max_tokens)),
+            ignore_eos=True,  # EOS is one of the stop ids above (none if ignore_eos)
+            stop_token_ids=stops,
+            min_tokens=min(int(sp.min_tokens or 0), max(1, int(max_tokens))),
+            priority=int(request.priority) if self.core_config.scheduling == "priority" else 0,
+            cache_salt=request.cache_salt or "",
+            lora_name=lora.lora_name if lora is not None else "",
+            tenant=tenant,
+            resumable=bool(request.resumable),
+        )
+
+    # ---- streaming-input sessions -----------------------------------------------------------
+
+    def _session_input(self, rid: str, request: Request) -> None:
+        """A request with a live request's id: a session's next input (vLLM's rule). It starts
+        the session's next turn if the session waits for input, else it waits for the turn to
+        end; a request that is not resumable closes the stream (a session waiting for input
+        then ends, aborted, as with vLLM's scheduler)."""
+        tracked = self._tracked.get(rid)
+        inputs = tracked.session_inputs if tracked is not None else None
+        if inputs is None:
+            raise ValueError(f"duplicate request id {rid!r} (not a streaming-input session)")
+        update = StreamingUpdate.from_request(request)
+        if tracked.request.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
+            inputs.append(update)
+        elif update is None:
+            self.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        else:
+            self._start_next_turn(tracked, update)
+
+    def _end_turn(self, tracked: _Tracked) -> None:
+        """A session's turn ended (its output, with the turn's finish reason, is out): it waits
+        for input, keeping its KV in the core, or takes the input that came meanwhile; if the
+        stream closed meanwhile, it ends with this turn."""
+        inputs = tracked.session_inputs
+        if inputs and inputs[0] is None:
+            self.core.end_session(tracked.core_id)
+            self._free(tracked.rid)  # its status: the turn's finish
+            return
+        request = tracked.request
+        request.status = RequestStatus.WAITING_FOR_STREAMING_REQ
+        tracked.on_runner = False  # the runner keeps its state; its next turn replaces it
+        request.num_computed_tokens = request.num_tokens - 1
+        request.num_output_placeholders = 0  # a row in flight lands dropped
+        request.spec_token_ids = []
+        self._drafted.discard(tracked.rid)
+        if inputs:
+            self._start_next_turn(tracked, inputs.popleft())
+
+    def _start_next_turn(self, tracked: _Tracked, update: StreamingUpdate) -> None:
+        """A session waiting for input takes its next turn: the core drops its last sampled
+        token and prefills the new ones after its KV; the vLLM Request is rewritten to match."""
+        request = tracked.request
+        sp = update.sampling_params
+        try:
+            # (A session keeps its tenant, priority, LoRA and salt: the core checks the last two.)
+            params = self._core_params(request, sp, update.max_tokens, tenant="")
+            self.core.continue_session(tracked.core_id, list(update.prompt_token_ids or ()),
+                                       params, arrival_time=float(update.arrival_time))
+        except (ValueError, TypeError, OverflowError) as e:
+            # The client's input (an empty chunk, a token id out of range...): the session
+            # ends with an error, the core unchanged but for it.
+            self.core.abort_request(tracked.core_id)
+            self._end_unserved(request, RequestStatus.FINISHED_ERROR, str(e))
+            self._free(tracked.rid)
+            return
+        start_next_turn(request, update, request.num_computed_tokens, self.block_size)
+        request.status = RequestStatus.WAITING
+        tracked.next_turn = True
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.QUEUED)
 
     def _admit_held(self) -> None:
         """Held requests that can now join the core do, in arrival order (one that cannot is
@@ -585,21 +660,30 @@ class AtomScheduler(SchedulerInterface):
                         request.num_computed_tokens = start
                         request.status = RequestStatus.RUNNING
                         tracked.on_runner = True
-                        if not tracked.ever_scheduled:
+                        if tracked.next_turn:
+                            # A session's next turn: a new request for the runner, which
+                            # replaces the session's state (vLLM's way).
+                            tracked.next_turn = False
+                            if self.log_stats:
+                                request.record_event(EngineCoreEventType.SCHEDULED)
+                            new_reqs.append(NewRequestData.from_request(
+                                request, block_ids, self._runner_prefill(request)))
+                        elif not tracked.ever_scheduled:
                             tracked.ever_scheduled = True
                             if request.prefill_stats is not None:
                                 request.prefill_stats.set(request.num_prompt_tokens,
                                                           *self._cached_at_admission(rid, start))
                             if self.log_stats:
                                 request.record_event(EngineCoreEventType.SCHEDULED)
-                            new_reqs.append(NewRequestData.from_request(request, block_ids))
+                            new_reqs.append(NewRequestData.from_request(
+                                request, block_ids, self._runner_prefill(request)))
                         else:
                             # Resumed after a preemption: the runner replaces its block table.
                             if self.log_stats:
                                 request.record_event(EngineCoreEventType.SCHEDULED)
                             if self.use_v2_model_runner:
                                 new_reqs.append(NewRequestData.from_request(
-                                    request, block_ids, list(request.all_token_ids)))
+                                    request, block_ids, self._runner_prefill(request)))
                             else:
                                 cached_ids.append(rid)
                                 resumed_ids.add(rid)
@@ -655,6 +739,11 @@ class AtomScheduler(SchedulerInterface):
         self._preempted_since_schedule = set()
         self._in_flight.append(_InFlight(out, batch, row_req_ids, drafts))
         return out
+
+    def _runner_prefill(self, request: Request) -> list[int] | None:
+        """The tokens a new request's NewRequestData carries for vLLM's V2 model runner (all
+        of them: it takes a new or resumed request whole), none for the V1 runner."""
+        return list(request.all_token_ids) if self.use_v2_model_runner else None
 
     def _cached_at_admission(self, rid: str, start: int) -> tuple[int, int]:
         """(local, external) cached tokens of a request's first admission, whose first row
@@ -931,6 +1020,7 @@ class AtomScheduler(SchedulerInterface):
         # Each entry's request, looked up once (None: finished by vLLM while in flight).
         rows = list(map(self._tracked_by_core_id.get, core_ids))
         if (len(new_tokens) == len(core_ids) and not any(finished_flags)
+                and not step_out.num_awaiting_input
                 and not self._num_structured and not self.async_scheduling
                 and mro.logprobs is None and not mro.prompt_logprobs_dict
                 and getattr(mro, "num_nans_in_logits", None) is None
@@ -940,12 +1030,14 @@ class AtomScheduler(SchedulerInterface):
             self._apply_steady(step_out, rows, new_tokens, cached, mro, outputs)
             return
         offsets = step_out.token_offsets.tolist()
-        for k, (tracked, lo, hi, done, num_cached) in enumerate(
-                zip(rows, offsets[:-1], offsets[1:], finished_flags, cached, strict=True)):
+        turn_ends = step_out.awaiting_input.tolist()  # sessions' turns that ended
+        for k, (tracked, lo, hi, done, turn_end, num_cached) in enumerate(
+                zip(rows, offsets[:-1], offsets[1:], finished_flags, turn_ends, cached,
+                    strict=True)):
             if tracked is None:
                 continue  # finished by vLLM (finish_requests) while in flight
             self._entry_output(step_out, k, tracked, new_tokens[lo:hi], done, num_cached, mro,
-                               outputs)
+                               outputs, turn_end)
 
     def _apply_steady(self, step_out: Any, rows: list[_Tracked], new_tokens: list[int],
                       cached: list[int], mro: Any, outputs: dict[int, list[EngineCoreOutput]]
@@ -972,9 +1064,11 @@ class AtomScheduler(SchedulerInterface):
 
     def _entry_output(self, step_out: Any, k: int, tracked: _Tracked, tokens: list[int],
                       done: bool, num_cached: int, mro: Any,
-                      outputs: dict[int, list[EngineCoreOutput]]) -> None:
+                      outputs: dict[int, list[EngineCoreOutput]], turn_end: bool = False
+                      ) -> None:
         """Entry ``k`` of the core's step output as the vLLM ``Request``'s new tokens, status and
-        stats, and its ``EngineCoreOutput``; a finished request is freed."""
+        stats, and its ``EngineCoreOutput``; a finished request is freed. ``turn_end``: a
+        session's turn ended (its output carries the turn's finish reason, as vLLM's)."""
         rid = tracked.rid
         request = tracked.request
         rejected_by_grammar = False
@@ -990,8 +1084,9 @@ class AtomScheduler(SchedulerInterface):
                 if not done:
                     self.core.abort_request(tracked.core_id)
                 done = rejected_by_grammar = True
+                turn_end = False  # (vLLM's rule: a session ends with it)
         finish_reason = None
-        if done:
+        if done or turn_end:
             reason = step_out.finish_reason(k) or ""
             if rejected_by_grammar:
                 request.status = RequestStatus.FINISHED_ERROR
@@ -1042,7 +1137,9 @@ class AtomScheduler(SchedulerInterface):
             trace_headers=request.trace_headers,
             num_nans_in_logits=nans.get(rid, 0) if nans else 0,
         ))
-        if finish_reason is not None:
+        if turn_end:
+            self._end_turn(tracked)
+        elif finish_reason is not None:
             self._free(rid)
 
     # ---- vLLM's Scheduler attributes engines and tools read -----------------------------------
@@ -1153,8 +1250,9 @@ class AtomScheduler(SchedulerInterface):
     def get_num_unfinished_requests(self) -> int:
         # vLLM's rule while paused: PAUSED_ALL runs nothing, PAUSED_NEW drains the running
         # requests and those holding KV blocks for a load; the queued ones wait for the resume.
+        # Sessions waiting for input are not unfinished work (vLLM's rule).
         if self._pause_state == PauseState.UNPAUSED:
-            return len(self.requests)
+            return len(self.requests) - int(self.core.num_waiting_for_input)
         if self._pause_state == PauseState.PAUSED_ALL:
             return 0
         loading = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -1194,8 +1292,9 @@ class AtomScheduler(SchedulerInterface):
         pass  # multimodal models are refused: there is no encoder cache
 
     def get_request_counts(self) -> tuple[int, int]:
-        return (int(self.core.num_running),
-                int(self.core.num_waiting) + len(self._held))
+        # (Sessions waiting for input count as waiting, as in vLLM's KV-holding queue.)
+        return (int(self.core.num_running), int(self.core.num_waiting)
+                + int(self.core.num_waiting_for_input) + len(self._held))
 
     def get_kv_cache_usage(self) -> float:
         usable = self.core.num_usable_blocks

@@ -231,6 +231,22 @@ STRUCTURED = [
 ]
 
 
+def test_streaming_input_sessions_give_vllms_answers():
+    """vLLM's streaming-input sessions (AsyncLLM.generate with an input stream, its engine core
+    in a process of its own): three sessions of three turns, greedy, at most 12 tokens a turn,
+    with prefix caching and 64-token steps: every turn's tokens and finish reason as with vLLM's
+    scheduler. Session 0 is fed at once (its inputs wait while a turn runs); sessions 1 and 2
+    turn by turn (each waits for input between turns, its KV kept, and its stream closes while
+    it waits). A turn continues after its EOS ("stop") and after its length limit."""
+    cfg = {"max_tokens": 12, "turns": 3, "wait": [False, True, True]}
+    ours = run("atom", PREFIX_CHUNKED, scenario="sessions", **cfg)
+    theirs = run("vllm", PREFIX_CHUNKED, scenario="sessions", **cfg)
+    assert [len(turns) for turns in ours["sessions"]] == [3, 3, 3]
+    finishes = [t["finish"] for turns in ours["sessions"] for t in turns[:-1]]
+    assert {"stop", "length"} <= set(finishes), finishes
+    assert ours["sessions"] == theirs["sessions"]
+
+
 def test_structured_output_gives_vllms_answers():
     """JSON schema, choice and regex grammars beside a request without one, with prefix
     caching and chunked prefill: the same tokens as vLLM's scheduler, and each answer obeys

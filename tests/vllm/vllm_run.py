@@ -135,6 +135,69 @@ class LookaheadCheck:
                 -(-need // self.bs) > -(-end // self.bs))
 
 
+def run_sessions(cfg: dict, path: str, tok) -> dict:
+    """Streaming-input sessions through vLLM's AsyncLLM (its engine core in a process of its
+    own): each session's turns are chunks of tokens from an input stream, greedy, at most
+    ``max_tokens`` a turn. Session i feeds its next chunk at once (the inputs wait in the
+    scheduler while a turn runs) when ``wait[i]`` is false, else only once its turn has ended
+    (the session waits for input), and then closes the stream only once its last turn ended.
+    Returns each session's tokens and finish reason per turn."""
+    import asyncio
+
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.engine.protocol import StreamingInput
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(model=path, enforce_eager=True, dtype="float32",
+                           scheduler_cls=ATOM if cfg["scheduler"] == "atom" else None,
+                           **cfg["llm"])
+    engine = AsyncLLM.from_engine_args(args)
+    first = prompts(tok, True)
+    sp = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"],
+                        output_kind=RequestOutputKind.DELTA)
+
+    def chunks(i: int) -> list[list[int]]:
+        out = [first[i]["prompt_token_ids"]]
+        for k in range(1, cfg["turns"]):
+            q = QUESTIONS[(i + k) % len(QUESTIONS)]
+            out.append(tok.encode(f"<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n"
+                                  "<|im_start|>assistant\n", add_special_tokens=False))
+        return out
+
+    async def session(i: int, wait: bool) -> list[dict]:
+        turn_ended = asyncio.Event()
+
+        async def inputs():
+            for k, chunk in enumerate(chunks(i)):
+                if wait and k > 0:
+                    await turn_ended.wait()
+                    turn_ended.clear()
+                yield StreamingInput(prompt=TokensPrompt(prompt_token_ids=chunk))
+            if wait:
+                await turn_ended.wait()  # the stream closes while the session waits for input
+
+        turns: list[dict] = []
+        tokens: list[int] = []
+        async for out in engine.generate(inputs(), sp, request_id=f"s{i}"):
+            tokens.extend(out.outputs[0].token_ids)
+            if out.outputs[0].finish_reason is not None:
+                turns.append({"tokens": tokens, "finish": out.outputs[0].finish_reason})
+                tokens = []
+                turn_ended.set()
+        return turns
+
+    async def all_sessions() -> list[list[dict]]:
+        return await asyncio.gather(*(session(i, w) for i, w in enumerate(cfg["wait"])))
+
+    try:
+        return {"sessions": asyncio.run(all_sessions())}
+    finally:
+        engine.shutdown()
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     from transformers import AutoTokenizer
@@ -142,6 +205,9 @@ def main() -> None:
 
     path = model_path()
     tok = AutoTokenizer.from_pretrained(path)
+    if cfg["scenario"] == "sessions":
+        print("RESULT " + json.dumps(run_sessions(cfg, path, tok)), flush=True)
+        return
     # vLLM takes a class or its qualified name; ours goes by name, as --scheduler-cls gives it.
     sched_cls = ATOM if cfg["scheduler"] == "atom" else CountingScheduler
     llm_args = dict(cfg["llm"])

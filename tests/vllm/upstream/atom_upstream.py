@@ -73,8 +73,10 @@ EXPECTED: list[tuple[str, str, str]] = [
      "wraps the private _preempt_request"),
     (A + "test_reset_prefix_cache_with_inflight_output_under_kv_pressure*", "whitebox",
      "wraps the private _preempt_request"),
-    (A + "test_resumable_request_handoff", "unserved",
-     "streaming-input sessions (such a request ends with an error)"),
+    (A + "test_resumable_request_handoff", "policy",
+     "three steps in flight (a batch queue of 3: the core keeps at most two), and a session's "
+     "next turn scheduled while its last turn's rows are still in flight (the core resumes it "
+     "once they land)"),
     (S + "test_diffusion_scheduler_is_selected_by_default*", "refused",
      "diffusion language models (vLLM's DiffusionScheduler)"),
     (S + "test_pooling_*", "refused", "pooling models"),
@@ -127,8 +129,7 @@ EXPECTED: list[tuple[str, str, str]] = [
     (S + "test_*cross_attn*", "refused", "encoder-decoder models (two KV-cache groups)"),
     (S + "test_hybrid_*", "refused", "hybrid KV caches (several KV-cache groups)"),
     (S + "test_pause_new_ignores_streaming_session_waiting_for_input", "whitebox",
-     "reads kv_holding_waiting (vLLM's blocked-request queue); streaming-input sessions end "
-     "with an error"),
+     "reads kv_holding_waiting (vLLM's blocked-request queue)"),
     (S + "test_fcfs_mixed_blocked_types_remote_load_drains_first", "whitebox",
      "reads deferred_waiting and kv_holding_waiting (vLLM's blocked-request queues; KV "
      "connectors)"),
