@@ -19,13 +19,14 @@ from typing import Any
 
 def follow_blocks(blocks: dict[str, list[int]], out: Any) -> dict[str, int]:
     """Brings ``blocks`` (the block ids vLLM's model runner holds per request) up to date with a
-    ``SchedulerOutput``: dropped when finished, set for a new request, replaced on a resume,
-    appended otherwise. Returns each scheduled request's ``num_computed_tokens``."""
+    ``SchedulerOutput``: dropped when finished, set for a new request (or replaced: a
+    streaming-input session's next turn comes as a new request with its id, vLLM's
+    ``_update_streaming_request``), replaced on a resume, appended otherwise. Returns each
+    scheduled request's ``num_computed_tokens``."""
     for rid in out.finished_req_ids:
         blocks.pop(rid, None)
     computed = {}
     for new in out.scheduled_new_reqs:
-        assert new.req_id not in blocks
         blocks[new.req_id] = list(new.block_ids[0])
         computed[new.req_id] = new.num_computed_tokens
     c = out.scheduled_cached_reqs

@@ -622,7 +622,7 @@ def test_fair_share_admits_a_light_tenant_beside_a_flood_against_a_stand_in_runn
 
 def test_requests_it_cannot_serve_end_with_an_error_while_the_rest_run():
     """What a client sends that the class or the core cannot serve (a cache_salt over 256
-    bytes, a token id past int32, a streaming-input session) must not raise inside vLLM's
+    bytes, a token id past int32) must not raise inside vLLM's
     engine loop, which would stop it for every client: each such request ends with
     finish_reason "error" and no tokens, delivered with the next step's outputs (and in
     finished_requests for vLLM's multi-engine bookkeeping), while the others are served."""
@@ -633,8 +633,7 @@ def test_requests_it_cannot_serve_end_with_an_error_while_the_rest_run():
     cfg, kv = _config()
     s = AtomScheduler(cfg, kv, None, block_size=16, include_finished_set=True)
     bad = {"salty": make_request("salty", 14, 4, cache_salt="x" * 257),
-           "huge_id": make_request("huge_id", [1, 2**31], 4),
-           "session": make_request("session", 14, 4, resumable=True)}
+           "huge_id": make_request("huge_id", [1, 2**31], 4)}
     for request in bad.values():
         s.add_request(request)
     s.add_request(make_request("ok", 14, 4))
@@ -656,6 +655,68 @@ def test_requests_it_cannot_serve_end_with_an_error_while_the_rest_run():
         for e in s.update_from_output(out, runner.step(out)).values():
             tokens += [t for o in e.outputs if o.request_id == "ok" for t in o.new_token_ids]
     assert tokens == [7] * 4 and s.core_stats()["num_finished"] == 1
+
+
+def test_streaming_input_sessions_against_a_stand_in_runner():
+    """vLLM's resumable requests: session "a" is fed turn by turn (it waits for input between
+    turns, its KV kept, not counted as unfinished work), session "b" gets its next input and
+    its stream's end while its first turn runs (queued, as vLLM's scheduler queues them). Each
+    next turn goes to the runner as a new request, computed up to its last turn's last sampled
+    token (dropped); a continuation the core refuses ends its session with an error."""
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import RequestStatus
+
+    from atom_sched.vllm import AtomScheduler
+
+    cfg, kv = _config()
+    s = AtomScheduler(cfg, kv, None, block_size=16)
+    runner = StandInRunner(16)
+    a = make_request("a", 20, 3, resumable=True)
+    b = make_request("b", 20, 2, resumable=True)
+    for request in (a, b, make_request("b", [5, 6, 7], 2, resumable=True),
+                    make_request("b", [1], 1)):  # (not resumable: b's stream ends)
+        s.add_request(request)
+    new_turns: dict[str, list] = {}
+    ends: dict[str, list] = {}
+
+    def step() -> None:
+        out = s.schedule()
+        for new in out.scheduled_new_reqs:
+            new_turns.setdefault(new.req_id, []).append(
+                (new.num_computed_tokens, list(new.prompt_token_ids)))
+        for eco in s.update_from_output(out, runner.step(out)).values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    ends.setdefault(o.request_id, []).append(o.finish_reason)
+        s.core.check_invariants()
+
+    while s.get_num_unfinished_requests():
+        step()
+    # a's first turn ended (length); b's two turns ran back to back, and its stream's end
+    # finished it with its second turn.
+    assert ends == {"a": [FinishReason.LENGTH], "b": [FinishReason.LENGTH] * 2}
+    assert a.status == RequestStatus.WAITING_FOR_STREAMING_REQ and "a" in s.requests
+    assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED and "b" not in s.requests
+    assert new_turns["b"] == [(0, list(range(1, 21))),
+                              (21, list(range(1, 21)) + [7, 5, 6, 7])]
+    assert s.get_num_unfinished_requests() == 0 and s.get_request_counts() == (0, 1)
+    assert s.get_kv_cache_usage() > 0  # a's KV, kept between turns
+
+    s.add_request(make_request("a", [9, 9], 2, resumable=True))
+    assert s.get_num_unfinished_requests() == 1
+    step()
+    assert new_turns["a"][-1] == (22, list(range(1, 21)) + [7, 7, 9, 9])
+    assert a.num_prompt_tokens == 24 and list(a.output_token_ids) == [7]
+    while s.get_num_unfinished_requests():
+        step()
+    assert ends["a"] == [FinishReason.LENGTH] * 2
+    # A next turn the core refuses (a token id past int32): the session ends with an error.
+    s.add_request(make_request("a", [2**31], 2, resumable=True))
+    assert "a" not in s.requests and a.status == RequestStatus.FINISHED_ERROR
+    out = s.schedule()
+    eco = s.update_from_output(out, runner.step(out))[0]
+    assert [(o.request_id, o.finish_reason) for o in eco.outputs] == [("a", FinishReason.ERROR)]
+    assert not s.has_requests() and s.get_kv_cache_usage() == 0.0
 
 
 def test_a_lora_name_the_core_refuses_ends_that_request_and_takes_no_adapter_slot():
