@@ -1,7 +1,9 @@
 // The scheduler's KV-connector side: the views a connector sees, transfer reports, and the move
 // of a remotely prefilled request into the decode set.
 #include <algorithm>
+#include <array>
 #include <string>
+#include <vector>
 #include <unordered_set>
 
 #include "atom_sched/errors.h"
@@ -104,6 +106,56 @@ void Scheduler::update_from_kv_xfer_finished(std::span<const int64_t> finished_s
   }
 }
 
+
+void Scheduler::recompute_kv_from(int64_t id, int32_t position) {
+  const int32_t slot = slot_of(id);
+  if (slot < 0) throw UnknownRequest("unknown request id " + id_str(id));
+  const std::string call = "recompute_kv_from(" + id_str(id) + ", " + std::to_string(position) +
+                           "): ";
+  Request& r = requests_[slot];
+  if (position < 0) throw InvalidArgument(call + "the position must be >= 0");
+  const int32_t served = r.blocks_published * config_.block_size;
+  if (position < served)
+    throw InvalidArgument(call + "the prefix cache serves its KV up to position " +
+                          std::to_string(served));
+  if (r.status == RequestStatus::kWaitingForRemoteKv) {
+    if (position >= r.remote_computed && r.remote_first_token < 0) return;
+    r.remote_computed = std::min(r.remote_computed, position);
+    // A producer's first token stood for the whole prompt's KV: without it, it prefills.
+    r.remote_first_token = -1;
+    r.remote_drafts.clear();
+    return;
+  }
+  if (r.status != RequestStatus::kRunning)
+    throw InvalidArgument(call + "the request is neither running nor waiting for remote KV");
+  // What its landed rows computed: its rows in flight are not counted (their outputs go).
+  int32_t landed = r.num_computed_tokens;
+  std::array<std::vector<int32_t>, kMaxOutstandingBatches> rows;
+  for (int32_t i = 0; i < num_outstanding_; ++i) {
+    const int32_t buffer =
+        (next_buffer_ - num_outstanding_ + i + kMaxOutstandingBatches) % kMaxOutstandingBatches;
+    const Batch& b = batches_[buffer];
+    const auto& voided = voided_rows_[buffer];
+    for (int32_t row = 0; row < b.num_rows; ++row)
+      if (b.request_index[row] == slot &&
+          std::find(voided.begin(), voided.end(), row) == voided.end()) {
+        rows[buffer].push_back(row);
+        landed -= b.num_scheduled_tokens[row];
+      }
+  }
+  if (position >= landed) return;  // the failed KV is past what it has computed
+  for (int32_t buffer = 0; buffer < kMaxOutstandingBatches; ++buffer)
+    voided_rows_[buffer].insert(voided_rows_[buffer].end(), rows[buffer].begin(),
+                                rows[buffer].end());
+  const bool was_partial = r.is_partial_prefill();
+  r.num_computed_tokens = position;
+  // Its known tokens are a prompt again: the last chunk samples its next token.
+  r.prefill_target = std::max(r.prefill_target, r.num_tokens());
+  std::fill(r.drafts.begin(), r.drafts.end(), -1);
+  r.num_drafts = 0;
+  if (!was_partial) track_partial(slot);
+  if (k_ == 0) sync_steady(r);
+}
 
 void Scheduler::start_remote_decode(int32_t slot) {
   Request& r = requests_[slot];

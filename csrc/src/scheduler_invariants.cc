@@ -27,6 +27,10 @@ void Scheduler::check_invariants() const {
                         kMaxOutstandingBatches;  // 0: the newest batch's buffer
     check(age < num_outstanding_ || fenced_blocks_[buffer].empty(),
           "blocks fenced by a batch that is not outstanding");
+    check(age < num_outstanding_ || voided_rows_[buffer].empty(),
+          "rows voided in a batch that is not outstanding");
+    for (int32_t row : voided_rows_[buffer])
+      check(row >= 0 && row < batches_[buffer].num_rows, "a voided row is out of range");
     for (int32_t blk : fenced_blocks_[buffer]) {
       check(blk > kNullBlock && blk < pool_.num_blocks(), "a fenced block id is out of range");
       ++refs[blk];

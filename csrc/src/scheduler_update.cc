@@ -605,6 +605,23 @@ template <bool kSpec>
   if (reason != FinishReason::kNone) finish_entry(e, slot, reason, stop_token);
 }
 
+void Scheduler::apply_rows_with_voids(const Batch& b, const ModelOutputs& out, int32_t width,
+                                      std::vector<int32_t>& voided, OutputCursor& cursor) {
+  std::sort(voided.begin(), voided.end());
+  for (int32_t row = 0; row < b.num_rows; ++row) {
+    if (std::binary_search(voided.begin(), voided.end(), row)) {
+      const int32_t slot = b.request_index[row];
+      --requests_[slot].num_inflight;
+      release_slot_if_done(slot);  // (finished meanwhile)
+    } else if (k_ > 0) {
+      apply_row_output<true>(b, row, out, width, cursor);
+    } else {
+      apply_k0_row_output(b, row, out, cursor);
+    }
+  }
+  voided.clear();
+}
+
 const StepOutput& Scheduler::update(uint64_t batch_id, const ModelOutputs& out) {
   if (num_outstanding_ == 0)
     throw InvalidArgument("update(): no batch is outstanding (batch " + std::to_string(batch_id) +
@@ -641,7 +658,9 @@ const StepOutput& Scheduler::update(uint64_t batch_id, const ModelOutputs& out) 
       b.num_rows > 0 ? static_cast<int32_t>(out.sampled_token_ids.size()) / b.num_rows : 1;
   // Compiled per kind of step (as schedule_decode_rows()): no draft logic when K = 0, and the
   // plain rows of a K = 0 step without log-probabilities first, in passes.
-  if (k_ > 0) {
+  if (!voided_rows_[oldest].empty()) {
+    apply_rows_with_voids(b, out, width, voided_rows_[oldest], cursor);
+  } else if (k_ > 0) {
     if (out.logprobs.empty()) {
       static_assert(kMaxSpeculativeTokens == 8, "one case per K below");
       switch (k_) {

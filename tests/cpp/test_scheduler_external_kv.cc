@@ -257,3 +257,108 @@ TEST(ExternalKvTest, FairShareDoesNotChargeLoadedTokens) {
 
 }  // namespace
 }  // namespace atom_sched
+
+namespace atom_sched {
+namespace {
+
+// kv_load_failure_policy "recompute": a synchronous load fails past its first block. The row
+// that loaded it is dropped when it lands; the request computes its prompt again from the
+// failed block, keeping its blocks, and the connector is not asked again.
+TEST(RecomputeKvTest, AFailedSyncLoadRewindsToTheFirstInvalidBlock) {
+  Fixture f;
+  f.conn->answers[0] = Ext(8, false);
+  f.h.add(0, Seq(1, 11), P(2));
+  auto b = f.h.sched();
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->row_positions(0), (V64{8, 9, 10}));
+  const V table = f.h.s.request(0).block_table;
+  f.h.s.recompute_kv_from(0, 4);  // the second loaded block failed
+  f.h.Inv("recompute_kv_from");
+  EXPECT_EQ(f.h.s.request(0).num_computed_tokens, 4);
+  auto o = f.h.upd(*b, {50});
+  EXPECT_FALSE(o.has(0)) << "the row computed on KV that never arrived: its token is dropped";
+  b = f.h.sched();
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->row_positions(0), (V64{4, 5, 6, 7, 8, 9, 10}));
+  EXPECT_EQ(b->slot_reset[0], 0) << "the same blocks: nothing to ship again";
+  EXPECT_EQ(f.h.s.request(0).block_table, table);
+  o = f.h.upd(*b, {51});
+  EXPECT_EQ(o.tokens(0), V{51});
+  EXPECT_EQ(f.conn->asked_with_cached.size(), 1u) << "asked once";
+  // KV valid up to a position it has not passed: nothing changes.
+  f.h.s.recompute_kv_from(0, 11);
+  EXPECT_EQ(f.h.s.request(0).num_computed_tokens, 11);
+}
+
+// One step ahead a decoding request's rows in flight are all dropped, and it recomputes its known
+// tokens (outputs too) as a prompt, then samples its next token.
+TEST(RecomputeKvTest, EveryRowInFlightOfARewoundRequestIsDropped) {
+  for (int32_t k : {0, 2}) {
+    SCOPED_TRACE(k);
+    H h(k == 0 ? Cfg(16) : SpecCfg(16, k));
+    h.add(0, Seq(1, 6), P(8));
+    h.add(1, Seq(20, 3), P(8));
+    const V none(2 * k, -1);
+    const V one = k == 0 ? V{50, 60} : Cat(V{50, 0, 0}, V{60, 0, 0});
+    auto b = h.sched();
+    h.upd(*b, one, k ? V{1, 1} : V{}, none);
+    auto b1 = h.sched();
+    auto b2 = h.sched();
+    ASSERT_TRUE(b1 && b2);
+    h.s.recompute_kv_from(0, 4);
+    h.Inv("recompute_kv_from");
+    const V two = k == 0 ? V{51, 61} : Cat(V{51, 0, 0}, V{61, 0, 0});
+    auto o = h.upd(*b1, two, k ? V{1, 1} : V{}, none);
+    EXPECT_FALSE(o.has(0));
+    EXPECT_EQ(o.tokens(1), V{61}) << "the other request's row is applied";
+    o = h.upd(*b2, two, k ? V{1, 1} : V{}, none);
+    EXPECT_FALSE(o.has(0));
+    EXPECT_EQ(h.s.request(0).tokens, Cat(Seq(1, 6), V{50}));
+    auto b3 = h.sched();
+    ASSERT_TRUE(b3);
+    const int32_t row = b3->row_of(0);
+    ASSERT_GE(row, 0);
+    EXPECT_EQ(b3->row_positions(row), (V64{4, 5, 6}));
+    EXPECT_EQ(b3->row_tokens(row), (V{5, 6, 50}));
+  }
+}
+
+// A load still arriving: the request computes from the failed block once it is reported.
+TEST(RecomputeKvTest, AFailedAsyncLoadComputesFromTheFirstInvalidBlock) {
+  Fixture f;
+  f.conn->answers[0] = Ext(8, true);
+  f.h.add(0, Seq(1, 11), P(1));
+  EXPECT_FALSE(f.h.sched());
+  f.h.s.recompute_kv_from(0, 4);
+  f.h.Inv("recompute_kv_from");
+  const V64 recv{0};
+  f.h.s.update_from_kv_xfer_finished({}, recv);
+  auto b = f.h.sched();
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->row_positions(0), (V64{4, 5, 6, 7, 8, 9, 10}));
+  f.h.upd(*b, {50});
+}
+
+TEST(RecomputeKvTest, BadCallsAreRefusedAndChangeNothing) {
+  SchedulerConfig c = Cfg(16);
+  c.enable_prefix_caching = true;
+  H h(c);
+  h.add(0, Seq(1, 9), P(1));
+  auto b = h.sched();
+  h.upd(*b, {50});  // blocks [1..4], [5..8] cached
+  h.add(1, Seq(1, 14), P(4));
+  h.add(2, Seq(40, 4), P(4));
+  EXPECT_THROW(h.s.recompute_kv_from(1, 0), InvalidArgument) << "waiting";
+  EXPECT_THROW(h.s.recompute_kv_from(9, 0), UnknownRequest);
+  b = h.sched();
+  ASSERT_TRUE(b);
+  EXPECT_EQ(h.s.request(1).blocks_published, 2);
+  EXPECT_THROW(h.s.recompute_kv_from(1, 7), InvalidArgument) << "the cache serves it";
+  EXPECT_THROW(h.s.recompute_kv_from(1, -1), InvalidArgument);
+  EXPECT_EQ(h.s.request(1).num_computed_tokens, 14);
+  h.Inv("refused calls");
+  h.upd(*b, V(b->num_rows, 51));
+}
+
+}  // namespace
+}  // namespace atom_sched

@@ -202,6 +202,9 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
     // Streaming-input sessions: some requests resume after their turns end (not with state
     // slots, which add_request refuses for them).
     const bool sessions = seed % 4 == 3 && c.num_state_slots == 0;
+    // A connector's failed loads (kv_load_failure_policy "recompute"): running requests rewound
+    // to a random position, rows in flight or not.
+    const bool rewinds = seed % 5 == 4;
     const int32_t k = c.num_speculative_tokens;
     H h(c);
     h.check_device_plan = check_plan;
@@ -288,6 +291,17 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
           h.s.abort_request(*it);
           h.Inv("abort_request");
           live.erase(it);
+        }
+      }
+      if (rewinds && rng() % 6 == 0) {
+        const V64 running = h.s.running_ids();
+        if (!running.empty()) {
+          const Request& r = h.s.request(running[rng() % running.size()]);
+          const int32_t from = r.blocks_published * c.block_size;
+          if (r.num_computed_tokens > from) {
+            h.s.recompute_kv_from(r.id, pick(from, r.num_computed_tokens - 1));
+            h.Inv("recompute_kv_from");
+          }
         }
       }
       if (!between_turns.empty() && rng() % 3 == 0) {

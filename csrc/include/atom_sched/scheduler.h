@@ -190,6 +190,17 @@ class Scheduler {
   void update_from_kv_xfer_finished(std::span<const int64_t> finished_sending,
                                     std::span<const int64_t> finished_recving);
 
+  /// A connector's load failed for part of a request's KV (vLLM's kv_load_failure_policy
+  /// "recompute"): its KV from `position` on is invalid and is computed again. A request waiting
+  /// for remote KV computes from there once its load is reported done (a producer's first token
+  /// is dropped if the prompt's KV is cut). A running request is rewound, keeping its blocks: the
+  /// outputs of its rows in flight are dropped, and it computes its known tokens from there as a
+  /// prompt, then decodes. Nothing changes if its KV is valid up to `position` (the KV its rows
+  /// in flight compute aside). UnknownRequest if `id` is not live; InvalidArgument if it is
+  /// neither running nor waiting for remote KV, or `position` is negative or within the blocks
+  /// the prefix cache serves from it.
+  void recompute_kv_from(int64_t id, int32_t position);
+
   /// Messages of connector calls that threw since the last call.
   [[nodiscard]] std::vector<std::string> take_connector_errors();
 
@@ -546,6 +557,10 @@ class Scheduler {
   /// the rows it applied. Compiled per K (1..8), so its draft loops unroll.
   template <int K>
   void apply_plain_spec_rows(const Batch& b, const ModelOutputs& out, OutputCursor& cursor);
+  /// update() of a batch with voided rows (voided_rows_): every row through apply_row_output(),
+  /// the voided ones dropped.
+  void apply_rows_with_voids(const Batch& b, const ModelOutputs& out, int32_t width,
+                             std::vector<int32_t>& voided, OutputCursor& cursor);
   /// Records step_output_ entry `entry`'s finish (its whole sequence) and finishes the request.
   void finish_entry(int32_t entry, int32_t slot, FinishReason reason, int32_t stop_token);
   /// Decode-block caching: whether a decode row's verified KV completed blocks not yet
@@ -622,6 +637,9 @@ class Scheduler {
   // fence_freed_blocks: blocks freed while batches were outstanding, held until the batch in
   // this buffer (the newest outstanding one at their free) is updated.
   std::array<std::vector<int32_t>, kMaxOutstandingBatches> fenced_blocks_;
+  // Rows of the outstanding batch in each buffer whose outputs are dropped: rows in flight of a
+  // request recompute_kv_from() rewound (update() then applies that batch row by row).
+  std::array<std::vector<int32_t>, kMaxOutstandingBatches> voided_rows_;
   std::vector<int32_t> victim_refs_;  // [num_blocks], 0 between calls: preemption_can_free()
   uint64_t next_epoch_ = 1;
   uint64_t next_arrival_seq_ = 0;
