@@ -213,6 +213,11 @@ class AtomScheduler(SchedulerInterface):
             **policies,
         )
         self.core = atom_sched.Scheduler(self.core_config)
+        # kv_load_failure_policy: "fail" ends a request whose KV failed to load, "recompute"
+        # computes that KV again.
+        self._recompute_failed_loads = (
+            self.connector is not None
+            and vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute")
         if self.connector is not None:
             self._kv = VllmConnectorBridge(
                 self.connector, block_size,
@@ -316,10 +321,6 @@ class AtomScheduler(SchedulerInterface):
                               "(num_prefill_lookahead_tokens > 1: multi-module MTP)",
                               "use one MTP module (num_speculative_tokens 1, or a model with "
                               "one nextn layer) or another method.")
-        kv_transfer = vllm_config.kv_transfer_config
-        if kv_transfer is not None and kv_transfer.kv_load_failure_policy != "fail":
-            raise _refuse(f"kv_load_failure_policy={kv_transfer.kv_load_failure_policy!r} (a "
-                          "failed KV load is recomputed)", "use the default, 'fail'.")
         if getattr(vllm_config, "ec_transfer_config", None) is not None:
             raise _refuse("encoder-cache connectors (ec_transfer_config)",
                           "drop --ec-transfer-config.")
@@ -855,8 +856,9 @@ class AtomScheduler(SchedulerInterface):
         if kv_output is not None and (kv_output.invalid_block_ids or kv_output.failed_recving):
             # Before the step's tokens apply: a row computed on KV that never arrived streams
             # nothing.
-            self._fail_kv_loads(set(kv_output.invalid_block_ids),
-                                set(kv_output.failed_recving or ()))
+            handle = (self._recompute_kv_loads if self._recompute_failed_loads
+                      else self._fail_kv_loads)
+            handle(set(kv_output.invalid_block_ids), set(kv_output.failed_recving or ()))
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         for client_index, eco in self._pending_outputs:
             outputs[client_index].append(eco)
@@ -906,6 +908,52 @@ class AtomScheduler(SchedulerInterface):
             self._end_unserved(tracked.request, RequestStatus.FINISHED_ERROR,
                                "its KV failed to load (kv_load_failure_policy 'fail')")
             self._free(rid)
+
+    def _recompute_kv_loads(self, invalid_block_ids: set[int], failed_ids: set[str]) -> None:
+        """vLLM's kv_load_failure_policy 'recompute': a request's KV from the first block that
+        failed to load (after its local hits, for a failed receive) is computed again, the core
+        rewinding a running request (its output of this step dropped) or cutting a load it
+        waits for; one whose failed block the prefix cache already serves ends with an error."""
+        rescheduled = recomputed = 0
+        for rid, tracked in list(self._tracked.items()):
+            try:
+                state = self.core.request_state(tracked.core_id)
+            except KeyError:
+                continue
+            if rid in failed_ids:
+                position = int(state["prefix_hit_tokens"])  # its local hits stand
+            else:
+                first = next((i for i, block in enumerate(state["block_table"])
+                              if block in invalid_block_ids), None)
+                if first is None:
+                    continue
+                position = first * self.block_size
+            try:
+                self.core.recompute_kv_from(tracked.core_id, position)
+            except ValueError as e:
+                self.core.abort_request(tracked.core_id)
+                self._end_unserved(tracked.request, RequestStatus.FINISHED_ERROR,
+                                   f"its KV failed to load and cannot be recomputed: {e}")
+                self._free(rid)
+                continue
+            request = tracked.request
+            before = int(state["num_computed_tokens"])
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                request.num_computed_tokens = min(request.num_computed_tokens, position)
+            elif int(self.core.request_state(tracked.core_id)["num_computed_tokens"]) < before:
+                request.num_computed_tokens = position
+                request.is_prefill_chunk = True
+                request.num_output_placeholders = 0  # its outputs in flight are dropped
+                request.spec_token_ids = []
+                self._drafted.discard(rid)
+            else:
+                continue
+            rescheduled += 1
+            recomputed += max(0, before - position)
+        if rescheduled:
+            logger.warning("KV load failure: %d request(s) compute the failed KV again "
+                           "(kv_load_failure_policy 'recompute', %d tokens)", rescheduled,
+                           recomputed)
 
     def _kv_transfers_done(self, kv_output: Any) -> Any:
         """The workers' connector output to the connector, their finished transfers to the

@@ -672,6 +672,16 @@ void bind_scheduler(py::module_& m) {
           "these tokens appended to its prompt, these sampling parameters. KeyError if not "
           "live, ValueError if not waiting for input or on a bad value (nothing changes).")
       .def(
+          "recompute_kv_from",
+          [](SchedulerHandle& h, int64_t id, int32_t position) {
+            with_core(h, [&](Scheduler& c) { c.recompute_kv_from(id, position); });
+          },
+          "request_id"_a, "position"_a,
+          "A connector's load failed: the request's KV from `position` on is computed again "
+          "(a waiting load computes from there once reported; a running request is rewound, "
+          "its rows in flight dropped). KeyError if not live, ValueError if neither running "
+          "nor waiting for remote KV, or a position below 0 or within its cached blocks.")
+      .def(
           "end_session",
           [](SchedulerHandle& h, int64_t id) {
             with_core(h, [&](Scheduler& c) { c.end_session(id); });

@@ -58,6 +58,7 @@ class StandInRunner:
         self.token = token
         self.blocks: dict[str, list[int]] = {}
         self.tokens: dict[str, int] = {}  # tokens the runner knows (prompt and outputs)
+        self.prompt_len: dict[str, int] = {}
         # Speculative decoding: the "model" always samples `token`, so a row accepts its
         # leading drafts equal to it, then samples one more. After each step, `drafter(rid)`
         # proposes the next drafts of every request that sampled (take_draft_token_ids()).
@@ -81,8 +82,12 @@ class StandInRunner:
         for rid in out.finished_req_ids:
             self.tokens.pop(rid, None)
         for new in out.scheduled_new_reqs:
-            self.tokens[new.req_id] = len(new.prompt_token_ids)
+            self.tokens[new.req_id] = self.prompt_len[new.req_id] = len(new.prompt_token_ids)
         c = out.scheduled_cached_reqs
+        for rid, outputs in zip(c.req_ids, c.num_output_tokens or (), strict=False):
+            # Outputs the scheduler dropped (a rewind after a failed KV load) are trimmed, as
+            # vLLM's runner trims its request state to num_output_tokens.
+            self.tokens[rid] = min(self.tokens[rid], self.prompt_len[rid] + outputs)
         for rid in c.resumed_req_ids:
             if rid in c.all_token_ids:  # a resumed request's tokens are the scheduler's
                 self.tokens[rid] = len(c.all_token_ids[rid])

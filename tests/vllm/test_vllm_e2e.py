@@ -319,6 +319,27 @@ def test_kv_connector_loads_and_stores_kv_as_with_vllms_scheduler(tmp_path):
     assert os.listdir(ours_store)
 
 
+def test_a_failed_kv_load_is_recomputed_as_with_vllms_scheduler(tmp_path):
+    """kv_load_failure_policy "recompute" on SmolLM2: a store of prompt KV written by vLLM's
+    scheduler, then loaded through a connector that corrupts the first block it loads and
+    reports it lost (tests/vllm/failing_kv.py). The class computes that KV again and gives the
+    answers of the clean run, as vLLM's scheduler does. The loss matters: unreported, it
+    changes the first answer; with "fail", that request ends with an error."""
+    llm = {"enable_prefix_caching": False, "max_model_len": 1024}
+    store = str(tmp_path / "store")
+    clean = run("vllm", llm, kv_store=store)
+    ours = run("atom", llm, kv_store=store, kv_lost_block="reported",
+               kv_failure_policy="recompute")
+    theirs = run("vllm", llm, kv_store=store, kv_lost_block="reported",
+                 kv_failure_policy="recompute")
+    _same_answers(ours, clean)
+    _same_answers(ours, theirs)
+    silent = run("atom", llm, kv_store=store, kv_lost_block="silent")
+    assert silent["outputs"][0]["token_ids"] != clean["outputs"][0]["token_ids"]
+    failed = run("atom", llm, kv_store=store, kv_lost_block="reported")
+    assert failed["outputs"][0]["finish_reason"] == "error"
+
+
 def test_abort_through_finish_requests():
     aborted = 3
     ours = run("atom", PREFIX_CHUNKED, scenario="abort", abort_after=6,
@@ -410,8 +431,6 @@ def test_accepts_the_eagle_family(method, k, lookahead, slots, drop):
     ({"speculative_config": SimpleNamespace(method="ngram",
                                             num_speculative_tokens_per_batch_size=[(1, 8, 2)]),
       "num_speculative_tokens": 2}, "vary with the batch size"),
-    ({"kv_transfer_config": SimpleNamespace(kv_load_failure_policy="recompute")},
-     "kv_load_failure_policy='recompute'"),
     ({"ec_transfer_config": object()}, "encoder-cache connectors"),
     ({"model_config__runner_type": "pooling"}, "pooling models"),
     ({"model_config__is_multimodal_model": True}, "multimodal models"),
@@ -1237,7 +1256,7 @@ def test_random_streams_keep_every_invariant_against_a_stand_in_runner(seed):
 
 
 def _connector_scheduler(name: str = "ScriptedConnector", role: str = "kv_both",
-                         num_blocks: int = 64, **over):
+                         num_blocks: int = 64, failure_policy: str = "fail", **over):
     from scripted_kv import ScriptedConnector
     from vllm.config import KVTransferConfig
 
@@ -1248,7 +1267,8 @@ def _connector_scheduler(name: str = "ScriptedConnector", role: str = "kv_both",
     cfg, kv = _config(
         kv_transfer_config=KVTransferConfig(kv_connector=name,
                                             kv_connector_module_path="scripted_kv",
-                                            kv_role=role),
+                                            kv_role=role,
+                                            kv_load_failure_policy=failure_policy),
         scheduler_config__disable_hybrid_kv_cache_manager=True, **over)
     kv.num_blocks = num_blocks
     s = AtomScheduler(cfg, kv, None, block_size=16, log_stats=True)
@@ -1342,6 +1362,45 @@ def test_kv_connector_delayed_free_reports_and_load_failures():
     _connector_step(s, runner, outputs, KVConnectorOutput(finished_sending={"send"}))
     assert not s.has_requests() and s.get_kv_cache_usage() == 0.0
     assert len(conn.outputs) == 3
+
+
+def test_failed_kv_loads_are_recomputed_with_the_recompute_policy():
+    """kv_load_failure_policy 'recompute': a request whose synchronous load failed at its
+    second block computes its prompt again from there in the next step (its token of the failed
+    step dropped, the connector not asked again); one whose asynchronous receive failed
+    computes all it was loading once the receive is reported. Both are served in full."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    s, conn = _connector_scheduler(failure_policy="recompute")
+    conn.script.update({"sync": (32, False), "async": (32, True)})
+    s.add_request(make_request("sync", 40, 2))
+    s.add_request(make_request("async", 40, 2))
+    runner, outputs = StandInRunner(16), {}
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"sync": 8}
+    sync_blocks = out.scheduled_new_reqs[0].block_ids[0]
+    mro = runner.step(out)
+    mro.kv_connector_output = KVConnectorOutput(invalid_block_ids={sync_blocks[1]},
+                                                failed_recving={"async"})
+    for eco in s.update_from_output(out, mro).values():
+        for o in eco.outputs:
+            outputs.setdefault(o.request_id, []).append(o)
+    s.core.check_invariants()
+    assert "sync" not in outputs  # its row computed on KV that never arrived
+    request = s.requests["sync"]
+    assert request.num_computed_tokens == 16 and request.num_output_tokens == 0
+    out = _connector_step(s, runner, outputs, KVConnectorOutput(finished_recving={"async"}))
+    assert out.num_scheduled_tokens == {"sync": 24}
+    assert out.scheduled_cached_reqs.num_computed_tokens == [16]
+    out = _connector_step(s, runner, outputs)
+    assert out.num_scheduled_tokens["async"] == 40  # all it was loading: computed here
+    while s.has_requests():
+        _connector_step(s, runner, outputs)
+    assert {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in outputs.items()} \
+        == {"sync": [7, 7], "async": [7, 7]}
+    assert all(str(outs[-1].finish_reason) == "length" for outs in outputs.values())
+    assert [c[1] for c in conn.calls if c[0] == "match"].count("sync") == 1
+    assert s.get_kv_cache_usage() == 0.0
 
 
 def test_a_failing_connector_costs_only_its_request(caplog):

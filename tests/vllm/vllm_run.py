@@ -239,8 +239,16 @@ def main() -> None:
         # to files in this folder, and loaded from there by any engine that sees it again.
         from vllm.config import KVTransferConfig
 
+        # "kv_lost_block": one of failing_kv.py's connectors instead ("reported":
+        # FailingLoadConnector, "silent": SilentLossConnector), whose first load loses a block,
+        # under kv_load_failure_policy "kv_failure_policy".
+        lost = cfg.get("kv_lost_block")
+        failing = lost is not None
         llm_args["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="ExampleConnector", kv_role="kv_both",
+            kv_connector=({"reported": "FailingLoadConnector", "silent": "SilentLossConnector"}
+                          [lost] if failing else "ExampleConnector"),
+            kv_connector_module_path="failing_kv" if failing else None, kv_role="kv_both",
+            kv_load_failure_policy=cfg.get("kv_failure_policy", "fail"),
             kv_connector_extra_config={"shared_storage_path": cfg["kv_store"]})
     llm = LLM(model=path, enforce_eager=True, dtype="float32", scheduler_cls=sched_cls,
               disable_log_stats=False, **llm_args)
