@@ -614,13 +614,14 @@ void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
   // waiting under FCFS, possibly the request whose row preempted itself) would be re-admitted to
   // recompute the KV the step has just freed. Only a mixed step decodes, so preempts, before
   // it admits; Phase 1 rows hold their blocks already.
-  if (!step_victims_[next_buffer_].empty()) return;
+  const bool preempted = !step_victims_[next_buffer_].empty();
   // Sessions whose next input arrived hold their KV already, like requests whose remote KV
   // arrived: they go first, whatever admit_waiting and the delay factor say (vLLM drains its
   // KV-holding queue first, under PAUSED_NEW too).
-  if (sessions_resuming_.size > 0 && !resume_sessions(b, chunk_of)) return;
+  if (!preempted && sessions_resuming_.size > 0 && !resume_sessions(b, chunk_of)) return;
   if (!admit_waiting) return;
   if (config_.scheduler_delay_factor > 0 && !passed_delay(now)) return;
+  if (preempted) return;
   const int32_t bs = config_.block_size;
   const bool needs_state = config_.num_state_slots > 0;
   const AdmissionHeadroom headroom{config_.admission_watermark_blocks};
