@@ -83,9 +83,7 @@ class _Tracked:
     on_runner: bool = False
     ever_scheduled: bool = False
     lora_id: int = 0  # vLLM's lora_int_id, 0 without an adapter
-    # A streaming-input session: the inputs that arrived while its turn runs (None: the stream
-    # closed), and whether its next turn goes to the runner as a new request (vLLM's way).
-    session_inputs: SessionInputs | None = None
+    # A streaming-input session's next turn: it goes to the runner as a new request (vLLM's way).
     next_turn: bool = False
 
 
@@ -251,6 +249,9 @@ class AtomScheduler(SchedulerInterface):
         # Requests held outside the core, in arrival order, until they can join it
         # (_ready_for_core): their grammar compiling, or no slot for their LoRA adapter.
         self._held: dict[str, Request] = {}
+        # Streaming-input sessions (held or in the core): the inputs that arrived while a turn
+        # runs, for the turns after it (None: the stream closed).
+        self._session_inputs: dict[str, SessionInputs] = {}
         # How many live requests use a grammar (0: the hot paths skip grammar work).
         self._num_structured = 0
         # LoRA: the runner holds at most max_loras adapters at once, so the requests in the core
@@ -365,6 +366,8 @@ class AtomScheduler(SchedulerInterface):
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
         self._num_structured += request.use_structured_output
+        if request.resumable:
+            self._session_inputs[rid] = SessionInputs()
         if self._ready_for_core(request):
             self._admit(request)
         else:
@@ -426,8 +429,6 @@ class AtomScheduler(SchedulerInterface):
             request.spec_decode_metrics = RequestSpecDecodeMetrics.new(self.num_spec_tokens)
         self.requests[rid] = request
         tracked = _Tracked(request, rid, core_id, eos)
-        if request.resumable:
-            tracked.session_inputs = SessionInputs()
         if lora is not None and lora.lora_int_id > 0:
             tracked.lora_id = lora.lora_int_id
             self._loras_in_core[lora.lora_int_id] += 1
@@ -462,13 +463,13 @@ class AtomScheduler(SchedulerInterface):
         the session's next turn if the session waits for input, else it waits for the turn to
         end; a request that is not resumable closes the stream (a session waiting for input
         then ends, aborted, as with vLLM's scheduler)."""
-        tracked = self._tracked.get(rid)
-        inputs = tracked.session_inputs if tracked is not None else None
+        inputs = self._session_inputs.get(rid)
         if inputs is None:
             raise ValueError(f"duplicate request id {rid!r} (not a streaming-input session)")
         update = StreamingUpdate.from_request(request)
-        if tracked.request.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
-            inputs.append(update)
+        tracked = self._tracked.get(rid)
+        if tracked is None or tracked.request.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
+            inputs.append(update)  # (its turn runs, or it is held outside the core)
         elif update is None:
             self.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
         else:
@@ -478,7 +479,7 @@ class AtomScheduler(SchedulerInterface):
         """A session's turn ended (its output, with the turn's finish reason, is out): it waits
         for input, keeping its KV in the core, or takes the input that came meanwhile; if the
         stream closed meanwhile, it ends with this turn."""
-        inputs = tracked.session_inputs
+        inputs = self._session_inputs[tracked.rid]
         if inputs and inputs[0] is None:
             self.core.end_session(tracked.core_id)
             self._free(tracked.rid)  # its status: the turn's finish
@@ -573,6 +574,7 @@ class AtomScheduler(SchedulerInterface):
                 if not self._loras_in_core[tracked.lora_id]:
                     del self._loras_in_core[tracked.lora_id]  # a slot for another adapter
         self._held.pop(rid, None)
+        self._session_inputs.pop(rid, None)
         self._drafted.discard(rid)
         request = self.requests.pop(rid)
         self._num_structured -= request.use_structured_output
