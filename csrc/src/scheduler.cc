@@ -342,22 +342,11 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   r.prefix_hit_tokens = 0;
   r.loaded_tokens = 0;
   r.kept_tokens = 0;
-  r.resumable = params.resumable;
   r.input_ready = false;
   r.state_slot = -1;
   r.epoch = 0;
-  r.temperature = params.temperature;
-  r.top_k = params.top_k;
-  r.top_p = params.top_p;
-  r.seed = params.seed;
-  r.max_tokens = params.max_tokens;
-  r.stop_length = final_length(r);
-  r.min_tokens = params.min_tokens;
-  r.ignore_eos = params.ignore_eos;
-  r.arrival_time = arrival_time;
+  set_sampling(r, params, arrival_time);
   r.priority = params.priority;
-  const int32_t job_tokens = params.length_hint > 0 ? params.length_hint : params.max_tokens;
-  r.sjf_key = arrival_time + job_tokens / config_.sjf_aging_rate;
   r.lora_name = params.lora_name;
   r.cache_salt = params.cache_salt;
   r.hash_namespace = hash_namespace(params.lora_name, params.cache_salt);
@@ -375,12 +364,6 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   ensure_block_hashes(r, probe_blocks(r));
   r.drafts.assign(k_, -1);
   r.num_drafts = 0;
-  r.stop_token_ids = config_.stop_token_ids;
-  r.stop_token_ids.insert(r.stop_token_ids.end(), params.stop_token_ids.begin(),
-                          params.stop_token_ids.end());
-  r.stop_sequences = params.stop_token_sequences;
-  r.has_stop_lists = !r.stop_token_ids.empty() || !r.stop_sequences.empty();
-  r.wants_logprobs = params.logprobs;
   r.finish_reason = FinishReason::kNone;
   r.stop_token = -1;
   r.num_unstreamed = 0;
@@ -403,6 +386,27 @@ void Scheduler::add_request(int64_t id, std::span<const int32_t> prompt,
   }
   slot_by_id_[id] = slot;
   enqueue(waiting_, slot);
+}
+
+void Scheduler::set_sampling(Request& r, const SamplingParams& params, double arrival_time) {
+  r.temperature = params.temperature;
+  r.top_k = params.top_k;
+  r.top_p = params.top_p;
+  r.seed = params.seed;
+  r.max_tokens = params.max_tokens;
+  r.stop_length = final_length(r);
+  r.min_tokens = params.min_tokens;
+  r.ignore_eos = params.ignore_eos;
+  r.wants_logprobs = params.logprobs;
+  r.stop_token_ids = config_.stop_token_ids;
+  r.stop_token_ids.insert(r.stop_token_ids.end(), params.stop_token_ids.begin(),
+                          params.stop_token_ids.end());
+  r.stop_sequences = params.stop_token_sequences;
+  r.has_stop_lists = !r.stop_token_ids.empty() || !r.stop_sequences.empty();
+  r.resumable = params.resumable;
+  r.arrival_time = arrival_time;
+  const int32_t job_tokens = params.length_hint > 0 ? params.length_hint : params.max_tokens;
+  r.sjf_key = arrival_time + job_tokens / config_.sjf_aging_rate;
 }
 
 void Scheduler::abort_request(int64_t id) {

@@ -58,30 +58,13 @@ void Scheduler::continue_session(int64_t id, std::span<const int32_t> tokens,
   std::vector<int32_t> prompt(r.tokens.begin(), r.tokens.begin() + kept);
   prompt.insert(prompt.end(), tokens.begin(), tokens.end());
   r.num_prompt_tokens = static_cast<int32_t>(prompt.size());
-  r.max_tokens = params.max_tokens;
   r.tokens.clear();
-  r.tokens.reserve(lifetime_tokens(r.num_prompt_tokens, r.max_tokens));
+  r.tokens.reserve(lifetime_tokens(r.num_prompt_tokens, params.max_tokens));
   r.set_tokens(prompt.data(), prompt.size());
   // Hashes of whole blocks within the kept tokens stand; the rest are recomputed on demand.
   const size_t whole = static_cast<size_t>(kept / config_.block_size);
   if (r.block_hashes.size() > whole) r.block_hashes.resize(whole);
-  r.temperature = params.temperature;
-  r.top_k = params.top_k;
-  r.top_p = params.top_p;
-  r.seed = params.seed;
-  r.min_tokens = params.min_tokens;
-  r.ignore_eos = params.ignore_eos;
-  r.wants_logprobs = params.logprobs;
-  r.stop_token_ids = config_.stop_token_ids;
-  r.stop_token_ids.insert(r.stop_token_ids.end(), params.stop_token_ids.begin(),
-                          params.stop_token_ids.end());
-  r.stop_sequences = params.stop_token_sequences;
-  r.has_stop_lists = !r.stop_token_ids.empty() || !r.stop_sequences.empty();
-  r.stop_length = final_length(r);
-  r.resumable = params.resumable;
-  r.arrival_time = arrival_time;
-  const int32_t job_tokens = params.length_hint > 0 ? params.length_hint : params.max_tokens;
-  r.sjf_key = arrival_time + job_tokens / config_.sjf_aging_rate;
+  set_sampling(r, params, arrival_time);
   r.input_ready = true;
   list_remove(sessions_waiting_, slot);
   list_insert_after(sessions_resuming_, sessions_resuming_.tail, slot);

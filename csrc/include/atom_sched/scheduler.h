@@ -422,6 +422,9 @@ class Scheduler {
   }
   /// The blocks admission takes for `r` beyond those of its tokens (the lookahead's).
   [[nodiscard]] int32_t lookahead_blocks(const Request& r) const;
+  /// A request's sampling and stop parameters, and its arrival (for its order and SJF key);
+  /// after its prompt is set (its length limit counts from it).
+  void set_sampling(Request& r, const SamplingParams& params, double arrival_time);
   /// Token capacity a request reserves for its life (its prompt, its outputs, a row's drafts),
   /// so that decode steps never reallocate its tokens.
   [[nodiscard]] size_t lifetime_tokens(int32_t num_prompt, int32_t max_tokens) const {
