@@ -738,6 +738,41 @@ def test_streaming_input_sessions_against_a_stand_in_runner():
     assert not s.has_requests() and s.get_kv_cache_usage() == 0.0
 
 
+def test_a_session_held_outside_the_core_keeps_its_next_input():
+    """max_loras = 1: session "b" of adapter B is held outside the core while adapter A's
+    request runs; its next input and its stream's end, arriving meanwhile, wait with it (never
+    an exception in vLLM's engine loop) and make its second turn its last."""
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.engine import FinishReason
+
+    from atom_sched.vllm import AtomScheduler
+
+    cfg, kv = _config(lora_config=SimpleNamespace(max_loras=1))
+    s = AtomScheduler(cfg, kv, None, block_size=16)
+    a, b = LoRARequest("A", 1, "/adapters/a"), LoRARequest("B", 2, "/adapters/b")
+    s.add_request(make_request("a", 14, 3, lora_request=a))
+    for request in (make_request("b", 14, 2, lora_request=b, resumable=True),
+                    make_request("b", [5, 6], 2, lora_request=b, resumable=True),
+                    make_request("b", [1], 1, lora_request=b)):
+        s.add_request(request)
+    assert [r.request_id for r in s.waiting] == ["a", "b"]  # b held: A has the one slot
+    runner = StandInRunner(16)
+    turns, ends = [], {}
+    while s.has_requests():
+        out = s.schedule()
+        turns += [(n.req_id, n.num_computed_tokens, list(n.prompt_token_ids))
+                  for n in out.scheduled_new_reqs]
+        for eco in s.update_from_output(out, runner.step(out)).values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    ends.setdefault(o.request_id, []).append(o.finish_reason)
+        s.core.check_invariants()
+    assert ends == {"a": [FinishReason.LENGTH], "b": [FinishReason.LENGTH] * 2}
+    assert turns == [("a", 0, list(range(1, 15))), ("b", 0, list(range(1, 15))),
+                     ("b", 15, list(range(1, 15)) + [7, 5, 6])]
+    assert "b" not in s.requests and s.get_kv_cache_usage() == 0.0
+
+
 def test_a_lora_name_the_core_refuses_ends_that_request_and_takes_no_adapter_slot():
     """An adapter name over the core's 256 bytes (a name the server was given) ends that request
     with an error; the slot of max_loras = 1 stays free for the next adapter."""
