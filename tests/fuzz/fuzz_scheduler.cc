@@ -1,6 +1,7 @@
 // libFuzzer target over the scheduler's public operations (DESIGN.md section 9). The input bytes
-// drive a sequence of add / abort / schedule / update / transfer-report calls, with valid and
-// invalid arguments, and (in half the inputs) a KV connector whose answers come from the same
+// drive a sequence of add / abort / schedule / update / transfer-report calls, streaming-input
+// sessions (continue, end) and rewinds after failed loads, with valid and invalid arguments, and
+// (in half the inputs) a KV connector whose answers come from the same
 // bytes: remote prefills (load_async, an injected first token and drafts), deferred frees,
 // malformed answers and throwing calls. The scheduler must reject bad calls with InvalidArgument
 // or UnknownRequest, leave its state intact, and keep every invariant (check_invariants() after
@@ -112,7 +113,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   int64_t next_id = 0;
   while (!in.empty()) {
     try {
-      switch (in.below(9)) {
+      switch (in.below(10)) {
         case 0:
         case 1: {  // add a request, sometimes with a bad argument
           prompt.assign(in.below(40), 0);
@@ -128,6 +129,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           if (in.below(3) == 0) p.tenant.assign(1, static_cast<char>('w' + in.below(3)));
           if (in.below(5) == 0) p.cache_salt.assign(1, static_cast<char>('a' + in.below(2)));
           if (in.below(5) == 0) p.lora_name.assign(1, static_cast<char>('x' + in.below(2)));
+          p.resumable = in.below(3) == 0;  // refused with state slots
           const int64_t id = in.below(6) == 0 ? in.below(4) - 1 : next_id++;
           s.add_request(id, prompt, p, /*arrival_time=*/in.below(8));
           break;
@@ -173,6 +175,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           for (auto& id : recving) id = in.below(static_cast<int32_t>(next_id) + 2) - 1;
           s.update_from_kv_xfer_finished(sending, recving);
           (void)s.take_connector_errors();
+          break;
+        }
+        case 8: {  // a session's next turn or its end; a failed load's rewind (any id)
+          const int64_t id = in.below(static_cast<int32_t>(next_id) + 2) - 1;
+          const int32_t op = in.below(3);
+          if (op == 0) {
+            prompt.assign(in.below(12), 0);
+            for (auto& t : prompt) t = in.below(12) - (in.below(30) == 0 ? 3 : 0);
+            SamplingParams p;
+            p.max_tokens = in.below(12);  // 0 is refused
+            p.resumable = in.next() & 1;
+            if (in.below(6) == 0) p.lora_name.assign(1, static_cast<char>('x' + in.below(2)));
+            s.continue_session(id, prompt, p, in.below(8));
+          } else if (op == 1) {
+            s.end_session(id);
+          } else {
+            s.recompute_kv_from(id, in.below(cfg.max_model_len + 2) - 1);
+          }
           break;
         }
         default:
