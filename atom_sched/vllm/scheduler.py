@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -895,48 +895,47 @@ class AtomScheduler(SchedulerInterface):
             eco.scheduler_stats = stats
         return result
 
-    def _fail_kv_loads(self, invalid_block_ids: set[int], failed_ids: set[str]) -> None:
-        """vLLM's kv_load_failure_policy 'fail': a request holding a block whose KV failed to
-        load, or whose receive failed, ends with an error."""
-        for rid, tracked in list(self._tracked.items()):
-            if rid not in failed_ids:
-                try:
-                    blocks = self.core.request_state(tracked.core_id)["block_table"]
-                except KeyError:
-                    continue
-                if invalid_block_ids.isdisjoint(blocks):
-                    continue
-            self.core.abort_request(tracked.core_id)
-            self._end_unserved(tracked.request, RequestStatus.FINISHED_ERROR,
-                               "its KV failed to load (kv_load_failure_policy 'fail')")
-            self._free(rid)
-
-    def _recompute_kv_loads(self, invalid_block_ids: set[int], failed_ids: set[str]) -> None:
-        """vLLM's kv_load_failure_policy 'recompute': a request's KV from the first block that
-        failed to load (after its local hits, for a failed receive) is computed again, the core
-        rewinding a running request (its output of this step dropped) or cutting a load it
-        waits for; one whose failed block the prefix cache already serves ends with an error."""
-        rescheduled = recomputed = 0
+    def _failed_loads(self, invalid_block_ids: set[int], failed_ids: set[str]
+                      ) -> Iterator[tuple[_Tracked, dict[str, Any], int]]:
+        """The requests a KV load failure hits, with their core state and the position their KV
+        fails from: the first block that failed to load, or, for a failed receive, the end of
+        their local hits."""
         for rid, tracked in list(self._tracked.items()):
             try:
                 state = self.core.request_state(tracked.core_id)
             except KeyError:
                 continue
             if rid in failed_ids:
-                position = int(state["prefix_hit_tokens"])  # its local hits stand
-            else:
-                first = next((i for i, block in enumerate(state["block_table"])
-                              if block in invalid_block_ids), None)
-                if first is None:
-                    continue
-                position = first * self.block_size
+                yield tracked, state, int(state["prefix_hit_tokens"])
+                continue
+            first = next((i for i, block in enumerate(state["block_table"])
+                          if block in invalid_block_ids), None)
+            if first is not None:
+                yield tracked, state, first * self.block_size
+
+    def _fail_kv_loads(self, invalid_block_ids: set[int], failed_ids: set[str]) -> None:
+        """vLLM's kv_load_failure_policy 'fail': a request holding a block whose KV failed to
+        load, or whose receive failed, ends with an error."""
+        for tracked, _, _ in self._failed_loads(invalid_block_ids, failed_ids):
+            self._end_failed_load(tracked, "kv_load_failure_policy 'fail'")
+
+    def _end_failed_load(self, tracked: _Tracked, why: str) -> None:
+        self.core.abort_request(tracked.core_id)
+        self._end_unserved(tracked.request, RequestStatus.FINISHED_ERROR,
+                           f"its KV failed to load ({why})")
+        self._free(tracked.rid)
+
+    def _recompute_kv_loads(self, invalid_block_ids: set[int], failed_ids: set[str]) -> None:
+        """vLLM's kv_load_failure_policy 'recompute': a request's KV from where it failed is
+        computed again, the core rewinding a running request (its output of this step dropped)
+        or cutting a load it waits for; one whose failed block the prefix cache already serves
+        ends with an error."""
+        rescheduled = recomputed = 0
+        for tracked, state, position in self._failed_loads(invalid_block_ids, failed_ids):
             try:
                 self.core.recompute_kv_from(tracked.core_id, position)
             except ValueError as e:
-                self.core.abort_request(tracked.core_id)
-                self._end_unserved(tracked.request, RequestStatus.FINISHED_ERROR,
-                                   f"its KV failed to load and cannot be recomputed: {e}")
-                self._free(rid)
+                self._end_failed_load(tracked, f"it cannot be recomputed: {e}")
                 continue
             request = tracked.request
             before = int(state["num_computed_tokens"])
@@ -947,7 +946,7 @@ class AtomScheduler(SchedulerInterface):
                 request.is_prefill_chunk = True
                 request.num_output_placeholders = 0  # its outputs in flight are dropped
                 request.spec_token_ids = []
-                self._drafted.discard(rid)
+                self._drafted.discard(tracked.rid)
             else:
                 continue
             rescheduled += 1

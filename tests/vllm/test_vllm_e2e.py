@@ -1436,6 +1436,21 @@ def test_failed_kv_loads_are_recomputed_with_the_recompute_policy():
     assert all(str(outs[-1].finish_reason) == "length" for outs in outputs.values())
     assert [c[1] for c in conn.calls if c[0] == "match"].count("sync") == 1
     assert s.get_kv_cache_usage() == 0.0
+    # A failed block the prefix cache already serves (others may read it) is not rewound: that
+    # request ends with an error.
+    conn.script["again"] = (8, False)
+    s.add_request(make_request("again", 40, 2))
+    out = s.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens > 32  # 32 cached, then loaded
+    mro = runner.step(out)
+    mro.kv_connector_output = KVConnectorOutput(
+        invalid_block_ids={out.scheduled_new_reqs[0].block_ids[0][0]})
+    (eco,) = s.update_from_output(out, mro).values()
+    assert [(o.request_id, str(o.finish_reason)) for o in eco.outputs] == [("again", "error")]
+    out = s.schedule()  # the runner hears of it
+    assert out.finished_req_ids == {"again"}
+    s.update_from_output(out, runner.step(out))
+    assert not s.has_requests() and s.get_kv_cache_usage() == 0.0
 
 
 def test_a_failing_connector_costs_only_its_request(caplog):
