@@ -54,6 +54,7 @@ class SchedulerConfig:
     draft_slots_per_row: int
     recompute_last_hit_block: bool
     long_prefill_token_threshold_adaptive: bool
+    prefill_lookahead_tokens: int
     def __init__(
         self,
         num_blocks: int,
@@ -86,6 +87,7 @@ class SchedulerConfig:
         draft_slots_per_row: int = 0,
         recompute_last_hit_block: bool = False,
         long_prefill_token_threshold_adaptive: bool = False,
+        prefill_lookahead_tokens: int = 0,
     ) -> None: ...
     def validate(self) -> None: ...
     @property

@@ -171,6 +171,11 @@ class AtomScheduler(SchedulerInterface):
         # unless disable_eagle_block_drop).
         drops_hit_block = getattr(spec, "use_eagle_block_drop", None)
         self.recompute_last_hit_block = bool(drops_hit_block is not None and drops_hit_block())
+        # Multi-module MTP reads that many known prompt tokens past a chunk's end: no chunk ends
+        # fewer than that many before the prompt's end (vLLM's _reserve_prefill_lookahead; an
+        # EAGLE-family drafter's 1 constrains nothing).
+        lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
+        self.prefill_lookahead = lookahead if lookahead > 1 else 0
         core_budget = int(budget)
         if self.draft_slots_per_row:
             # One budget in the core: the input budget, or the scheduled-token cap if it is
@@ -191,6 +196,7 @@ class AtomScheduler(SchedulerInterface):
             num_lookahead_tokens=self.num_lookahead_tokens,
             draft_slots_per_row=self.draft_slots_per_row,
             recompute_last_hit_block=self.recompute_last_hit_block,
+            prefill_lookahead_tokens=self.prefill_lookahead,
             # Stops are per request (SamplingParams.stop_token_ids, EOS included): vLLM's EOS
             # comes with each request and may differ between them.
             eos_token_id=-1,
@@ -314,14 +320,6 @@ class AtomScheduler(SchedulerInterface):
             if not 1 <= k <= _MAX_DRAFTS:
                 raise _refuse(f"{k} speculative tokens a step",
                               f"use num_speculative_tokens 1..{_MAX_DRAFTS}.")
-            # An EAGLE-family drafter reads the prompt token after a chunk (1: nothing to keep
-            # back); multi-module MTP reads K ahead, so a chunk must never end within K of the
-            # prompt's end (vLLM's _reserve_prefill_lookahead): not in the core.
-            if int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 1:
-                raise _refuse("prefill lookahead past the next token for a drafter "
-                              "(num_prefill_lookahead_tokens > 1: multi-module MTP)",
-                              "use one MTP module (num_speculative_tokens 1, or a model with "
-                              "one nextn layer) or another method.")
         if getattr(vllm_config, "ec_transfer_config", None) is not None:
             raise _refuse("encoder-cache connectors (ec_transfer_config)",
                           "drop --ec-transfer-config.")

@@ -38,7 +38,7 @@ void add_pickle(py::class_<T>& cls, const std::array<const char*, N>& fields) {
   });
 }
 
-constexpr std::array<const char*, 29> kSchedulerConfigFields = {
+constexpr std::array<const char*, 30> kSchedulerConfigFields = {
     "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "enable_prefix_caching", "enable_chunked_prefill", "num_speculative_tokens", "eos_token_id",
     "stop_token_ids", "scheduler_delay_factor", "enable_kv_events", "num_state_slots",
@@ -46,7 +46,8 @@ constexpr std::array<const char*, 29> kSchedulerConfigFields = {
     "uniform_decode_rows", "host_block_tables", "preemption_victim", "sjf_aging_rate",
     "admission_watermark_blocks", "tenant_weights", "fence_freed_blocks",
     "drop_preempted_outputs", "num_lookahead_tokens", "draft_slots_per_row",
-    "recompute_last_hit_block", "long_prefill_token_threshold_adaptive"};
+    "recompute_last_hit_block", "long_prefill_token_threshold_adaptive",
+    "prefill_lookahead_tokens"};
 constexpr std::array<const char*, 17> kSamplingParamsFields = {
     "temperature", "top_k", "top_p", "max_tokens", "ignore_eos", "n", "logprobs",
     "stop_token_ids", "stop_token_sequences", "seed", "min_tokens", "priority", "cache_salt",
@@ -145,7 +146,8 @@ void bind_config(py::module_& m) {
                        const py::object& tenant_weights, bool fence_freed_blocks,
                        bool drop_preempted_outputs, int32_t num_lookahead_tokens,
                        int32_t draft_slots_per_row, bool recompute_last_hit_block,
-                       bool long_prefill_token_threshold_adaptive) {
+                       bool long_prefill_token_threshold_adaptive,
+                       int32_t prefill_lookahead_tokens) {
              SchedulerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -176,6 +178,7 @@ void bind_config(py::module_& m) {
              c.draft_slots_per_row = draft_slots_per_row;
              c.recompute_last_hit_block = recompute_last_hit_block;
              c.long_prefill_token_threshold_adaptive = long_prefill_token_threshold_adaptive;
+             c.prefill_lookahead_tokens = prefill_lookahead_tokens;
              return c;
            }),
            "num_blocks"_a, py::kw_only(), "block_size"_a = 16, "max_num_seqs"_a = 256,
@@ -192,7 +195,7 @@ void bind_config(py::module_& m) {
            "fence_freed_blocks"_a = false, "drop_preempted_outputs"_a = false,
            "num_lookahead_tokens"_a = 0, "draft_slots_per_row"_a = 0,
            "recompute_last_hit_block"_a = false,
-           "long_prefill_token_threshold_adaptive"_a = false)
+           "long_prefill_token_threshold_adaptive"_a = false, "prefill_lookahead_tokens"_a = 0)
       .def_readwrite("num_blocks", &SchedulerConfig::num_blocks)
       .def_readwrite("block_size", &SchedulerConfig::block_size)
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
@@ -232,6 +235,7 @@ void bind_config(py::module_& m) {
       .def_readwrite("recompute_last_hit_block", &SchedulerConfig::recompute_last_hit_block)
       .def_readwrite("long_prefill_token_threshold_adaptive",
                      &SchedulerConfig::long_prefill_token_threshold_adaptive)
+      .def_readwrite("prefill_lookahead_tokens", &SchedulerConfig::prefill_lookahead_tokens)
       .def_property(
           "tenant_weights", [](const SchedulerConfig& c) { return c.tenant_weights; },
           [](SchedulerConfig& c, const py::object& v) {

@@ -81,6 +81,14 @@ void SchedulerConfig::validate() const {
   require(long_prefill_token_threshold == 0 || enable_chunked_prefill,
           "long_prefill_token_threshold caps a request's prefill chunk: it needs "
           "enable_chunked_prefill=True");
+  // A step's whole budget (and a capped chunk) must be able to leave that many tokens.
+  require(prefill_lookahead_tokens >= 0 && prefill_lookahead_tokens < max_num_batched_tokens,
+          "prefill_lookahead_tokens must be in 0..max_num_batched_tokens - 1" +
+              got(int64_t{prefill_lookahead_tokens}));
+  require(long_prefill_token_threshold == 0 ||
+              prefill_lookahead_tokens <= long_prefill_token_threshold,
+          "prefill_lookahead_tokens must be <= long_prefill_token_threshold (a capped chunk "
+          "must be able to leave that many tokens)" + got(int64_t{prefill_lookahead_tokens}));
 }
 
 int32_t SchedulerConfig::max_blocks_per_request() const {

@@ -594,7 +594,7 @@ PrefillChunk Scheduler::prefill_chunk() const {
   int32_t cap = requests > 1 ? config_.long_prefill_token_threshold : 0;
   if (cap > 0 && config_.long_prefill_token_threshold_adaptive)
     cap = std::max(cap, config_.max_num_batched_tokens / requests);
-  return {config_.enable_chunked_prefill, cap};
+  return {config_.enable_chunked_prefill, cap, config_.prefill_lookahead_tokens};
 }
 
 void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {

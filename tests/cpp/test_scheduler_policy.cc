@@ -589,3 +589,55 @@ TEST(SchedulerTest, RowsVerifyOnlyTheDraftsProposed) {
 
 }  // namespace
 }  // namespace atom_sched
+
+namespace atom_sched {
+namespace {
+
+// prefill_lookahead_tokens (vLLM's num_prefill_lookahead_tokens, multi-module MTP): a chunk takes
+// the rest of the prompt or leaves at least L tokens of it.
+TEST(PolicyTest, PrefillChunkLeavesTheDraftersLookahead) {
+  const PrefillChunk rule{/*chunked_prefill=*/true, /*long_prefill_token_threshold=*/0,
+                          /*lookahead=*/3};
+  EXPECT_EQ(rule(10, 100, false), 10) << "the rest fits: no boundary";
+  EXPECT_EQ(rule(10, 8, false), 7) << "8 would leave 2: cut to leave 3";
+  EXPECT_EQ(rule(10, 7, false), 7) << "leaves exactly 3";
+  EXPECT_EQ(rule(4, 2, false), 1) << "leaves 3";
+  EXPECT_EQ(rule(3, 2, false), 0) << "would leave 1: nothing this step";
+  const PrefillChunk capped{true, 4, 3};
+  EXPECT_EQ(capped(6, 100, false), 3);
+  const PrefillChunk whole{false, 0, 3};
+  EXPECT_EQ(whole(10, 9, false), 0) << "without chunking: whole or nothing, as before";
+}
+
+TEST(PrefillLookaheadTest, NoChunkEndsWithinTheLookaheadOfThePromptsEnd) {
+  for (int32_t budget : {4, 5, 6, 7}) {
+    SCOPED_TRACE(budget);
+    SchedulerConfig c = Cfg(32);
+    c.enable_chunked_prefill = true;
+    c.max_num_batched_tokens = budget;
+    c.prefill_lookahead_tokens = 3;
+    H h(c);
+    h.add(0, Seq(1, 14), P(1));
+    int32_t computed = 0;
+    for (int32_t step = 0; step < 20; ++step) {
+      auto b = h.sched();
+      ASSERT_TRUE(b);
+      computed = b->ctx[0];
+      const int32_t left = 14 - computed;
+      EXPECT_TRUE(left == 0 || left >= 3) << "a chunk ended " << left << " before the end";
+      h.upd(*b, V{50});
+      if (left == 0) break;
+    }
+    EXPECT_EQ(computed, 14);
+  }
+  SchedulerConfig bad = Cfg(32);
+  bad.max_num_batched_tokens = 8;
+  bad.prefill_lookahead_tokens = 8;
+  EXPECT_THROW(Scheduler{bad}, InvalidArgument);
+  bad.prefill_lookahead_tokens = 3;
+  bad.long_prefill_token_threshold = 2;
+  EXPECT_THROW(Scheduler{bad}, InvalidArgument);
+}
+
+}  // namespace
+}  // namespace atom_sched

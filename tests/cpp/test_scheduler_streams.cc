@@ -199,6 +199,11 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
       c.draft_slots_per_row = std::min(c.num_speculative_tokens, 1);
     // An EAGLE-family drafter's: a prefix hit's last block computed again.
     c.recompute_last_hit_block = seed % 3 == 1;
+    // Multi-module MTP's: no chunk ends within 3 tokens of its prompt's end.
+    if (seed % 7 == 5) {
+      const int32_t cap = c.long_prefill_token_threshold > 0 ? c.long_prefill_token_threshold : 3;
+      c.prefill_lookahead_tokens = std::min({3, c.max_num_batched_tokens - 1, cap});
+    }
     // Streaming-input sessions: some requests resume after their turns end (not with state
     // slots, which add_request refuses for them).
     const bool sessions = seed % 4 == 3 && c.num_state_slots == 0;

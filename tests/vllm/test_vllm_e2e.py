@@ -403,29 +403,30 @@ def test_accepts_a_plain_config_and_sizes_the_core_from_it():
     assert not s.has_requests()
 
 
-@pytest.mark.parametrize("method, k, lookahead, slots, drop", [
-    ("eagle3", 3, 3, 0, True), ("eagle3", 3, 3, 2, True),  # EAGLE-3, P-EAGLE
-    ("eagle", 2, 2, 0, False),  # disable_eagle_block_drop
-    ("mtp", 1, 1, 0, True), ("dflash", 4, 5, 4, True), ("dspark", 4, 4, 3, True)])
-def test_accepts_the_eagle_family(method, k, lookahead, slots, drop):
+@pytest.mark.parametrize("method, k, lookahead, slots, drop, prefill_ahead", [
+    ("eagle3", 3, 3, 0, True, 1), ("eagle3", 3, 3, 2, True, 1),  # EAGLE-3, P-EAGLE
+    ("eagle", 2, 2, 0, False, 1),  # disable_eagle_block_drop
+    ("mtp", 1, 1, 0, True, 1), ("mtp", 3, 3, 0, True, 3),  # one MTP module, three
+    ("dflash", 4, 5, 4, True, 1), ("dspark", 4, 4, 3, True, 1)])
+def test_accepts_the_eagle_family(method, k, lookahead, slots, drop, prefill_ahead):
     """Drafters on the target's hidden states: the KV slots past each row (vLLM's
-    num_lookahead_tokens), their input slots, and a prefix hit's last block recomputed (vLLM's
-    use_eagle_block_drop), all as vLLM's config gives them."""
+    num_lookahead_tokens), their input slots, a prefix hit's last block recomputed (vLLM's
+    use_eagle_block_drop), and the prompt tokens multi-module MTP reads past a chunk's end
+    (num_prefill_lookahead_tokens; 1 constrains nothing), all as vLLM's config gives them."""
     from atom_sched.vllm import AtomScheduler
 
     spec = SimpleNamespace(method=method, max_num_new_slots_for_drafting=slots,
                            use_eagle_block_drop=lambda: drop)
     cfg, kv = _config(speculative_config=spec, num_speculative_tokens=k,
-                      num_lookahead_tokens=lookahead, num_prefill_lookahead_tokens=1)
+                      num_lookahead_tokens=lookahead, num_prefill_lookahead_tokens=prefill_ahead)
     c = AtomScheduler(cfg, kv, None, block_size=16).core_config
     assert (c.num_speculative_tokens, c.num_lookahead_tokens, c.draft_slots_per_row,
             c.recompute_last_hit_block) == (k, lookahead, slots, drop)
+    assert c.prefill_lookahead_tokens == (prefill_ahead if prefill_ahead > 1 else 0)
 
 
 @pytest.mark.parametrize("override, words", [
     ({"speculative_config": SimpleNamespace(method="suffix")}, "method 'suffix'"),
-    ({"speculative_config": SimpleNamespace(method="mtp"), "num_speculative_tokens": 3,
-      "num_prefill_lookahead_tokens": 3}, "multi-module MTP"),
     ({"speculative_config": SimpleNamespace(method="ngram"), "num_speculative_tokens": 9},
      "9 speculative tokens"),
     ({"speculative_config": SimpleNamespace(method="ngram",

@@ -100,6 +100,11 @@ struct SchedulerConfig {
   // With a threshold: never cap below a fair share of the budget, max_num_batched_tokens over
   // the requests running and waiting (vLLM's long_prefill_token_threshold_adaptive).
   bool long_prefill_token_threshold_adaptive = false;
+  // A drafter that reads this many known prompt tokens past a prefill chunk's end (vLLM's
+  // num_prefill_lookahead_tokens: multi-module MTP): a chunk never ends fewer than this many
+  // tokens before the end of the request's prompt; it takes the rest, or leaves at least this
+  // many. 0 or 1: no constraint (a chunk's next token is always known).
+  int32_t prefill_lookahead_tokens = 0;
   // Publish the blocks a request fills while it decodes, once their tokens are verified, so a
   // follow-up turn that resends the conversation hits them (vLLM's behaviour). false: only
   // prompt blocks are cached, as ATOM.

@@ -86,16 +86,21 @@ struct AdmissionHeadroom {
 struct PrefillChunk {
   bool chunked_prefill = true;               // SchedulerConfig::enable_chunked_prefill
   int32_t long_prefill_token_threshold = 0;  // > 0: at most this many tokens per request a step
+  int32_t lookahead = 0;                     // SchedulerConfig::prefill_lookahead_tokens
 
   /// Tokens of a request's prefill scheduled this step: `num_new` uncomputed tokens, `left`
   /// tokens of the budget not taken by rows before it. A request may take part of its prompt
   /// when chunked prefill is on or `must_chunk` (a preempted request, whose prompt and outputs
-  /// may exceed the budget); otherwise it fits whole or not at all.
+  /// may exceed the budget); otherwise it fits whole or not at all. A part never leaves fewer
+  /// than `lookahead` tokens (a drafter reads them past the chunk): it is cut to leave that many.
   [[nodiscard]] int32_t operator()(int32_t num_new, int32_t left, bool must_chunk) const noexcept {
     if (!chunked_prefill && !must_chunk) return num_new <= left ? num_new : 0;
     const int32_t cap =
         long_prefill_token_threshold > 0 ? std::min(left, long_prefill_token_threshold) : left;
-    return std::max(0, std::min(num_new, cap));
+    int32_t chunk = std::max(0, std::min(num_new, cap));
+    const int32_t rest = num_new - chunk;
+    if (rest > 0 && rest < lookahead) chunk -= lookahead - rest;
+    return std::max(0, chunk);
   }
 };
 
