@@ -485,7 +485,9 @@ class AtomScheduler(SchedulerInterface):
         request = tracked.request
         request.status = RequestStatus.WAITING_FOR_STREAMING_REQ
         tracked.on_runner = False  # the runner keeps its state; its next turn replaces it
-        request.num_computed_tokens = request.num_tokens - 1
+        # All its tokens but the last, or none if it was preempted as its turn ended.
+        request.num_computed_tokens = int(
+            self.core.request_state(tracked.core_id)["num_computed_tokens"])
         request.num_output_placeholders = 0  # a row in flight lands dropped
         request.spec_token_ids = []
         self._drafted.discard(tracked.rid)
@@ -509,7 +511,7 @@ class AtomScheduler(SchedulerInterface):
             self._end_unserved(request, RequestStatus.FINISHED_ERROR, str(e))
             self._free(tracked.rid)
             return
-        start_next_turn(request, update, request.num_computed_tokens, self.block_size)
+        start_next_turn(request, update, self.block_size)
         request.status = RequestStatus.WAITING
         tracked.next_turn = True
         if self.log_stats:

@@ -18,15 +18,15 @@ from vllm.v1.request import Request, StreamingUpdate
 SessionInputs = deque[StreamingUpdate | None]
 
 
-def start_next_turn(request: Request, update: StreamingUpdate, num_computed: int,
-                    block_size: int) -> None:
+def start_next_turn(request: Request, update: StreamingUpdate, block_size: int) -> None:
     """Rewrites a session's ``Request`` for its next turn, as vLLM's scheduler does: its
-    computed outputs join the prompt, its last sampled token (never computed) is dropped, the
-    update's tokens follow, and the update's sampling parameters, ``max_tokens`` and arrival
-    time replace the old ones. ``num_computed``: the tokens whose KV the session kept."""
-    kept_outputs = request._all_token_ids[request.num_prompt_tokens:num_computed]
-    del request._all_token_ids[num_computed:]
-    del request.block_hashes[num_computed // block_size:]
+    outputs join the prompt but the last it sampled (no step ever computed it), the update's
+    tokens follow, and the update's sampling parameters, ``max_tokens`` and arrival time replace
+    the old ones (its ``num_computed_tokens``, the KV it kept, stays)."""
+    kept = request.num_tokens - 1
+    kept_outputs = request._all_token_ids[request.num_prompt_tokens:kept]
+    del request._all_token_ids[kept:]
+    del request.block_hashes[kept // block_size:]
     request._output_token_ids.clear()
     assert request.prompt_token_ids is not None  # prompt embeddings are refused
     request.prompt_token_ids.extend(kept_outputs)
@@ -35,7 +35,6 @@ def start_next_turn(request: Request, update: StreamingUpdate, num_computed: int
     request.prompt_token_ids.extend(new_tokens)
     request.update_block_hashes()  # (no-op without a block hasher)
     request.num_prompt_tokens = len(request.prompt_token_ids)
-    request.num_computed_tokens = num_computed
     request.arrival_time = update.arrival_time
     request.sampling_params = update.sampling_params
     request.max_tokens = update.max_tokens

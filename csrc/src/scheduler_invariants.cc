@@ -117,7 +117,14 @@ void Scheduler::check_invariants() const {
     if (r.status == RequestStatus::kWaitingForInput) {
       // A session between turns: its KV up to its last sampled token (or, once its input
       // arrived, up to the new tokens), its device slot; no state slot (add_request refuses).
+      // Or, preempted when its turn ended, nothing held at all.
       check(r.resumable || r.input_ready, who + "waits for input but is not a session");
+      check(r.state_slot < 0, who + "waits for input holding a state slot");
+      if (r.device_slot < 0) {
+        check(r.block_table.empty() && r.num_computed_tokens == 0 && !r.input_ready,
+              who + "waits for input without a device slot but holds KV or has input");
+        continue;
+      }
       check(r.num_computed_tokens == r.num_tokens() - 1 ||
                 (r.input_ready && r.num_computed_tokens < r.num_tokens()),
             who + "waits for input but its computed tokens are not its tokens less the last");
@@ -125,7 +132,6 @@ void Scheduler::check_invariants() const {
             who + "waits for input but its blocks do not cover its computed tokens");
       check(r.blocks_published * bs <= r.num_computed_tokens,
             who + "published a block past its computed tokens");
-      check(r.state_slot < 0, who + "waits for input holding a state slot");
       check(r.device_slot >= 0 && r.device_slot < config_.max_num_seqs &&
                 !device_slot_used[r.device_slot],
             who + "device slot missing or shared");

@@ -17,10 +17,14 @@ using detail::id_str;
 
 void Scheduler::end_turn(int32_t slot) {
   Request& r = requests_[slot];
-  remove_running(r);  // (a stop follows a sampled token: never mid-prompt)
-  // Every token's KV but the last sampled one's, which no row has input yet (a row in flight
-  // that does is discarded when it lands: apply_row_output()).
-  r.num_computed_tokens = r.num_tokens() - 1;
+  if (r.status == RequestStatus::kRunning) {
+    remove_running(r);  // (a stop follows a sampled token: never mid-prompt)
+    // Every token's KV but the last sampled one's, which no row has input yet (a row in flight
+    // that does is discarded when it lands: apply_row_output()).
+    r.num_computed_tokens = r.num_tokens() - 1;
+  } else {
+    list_remove(waiting_, slot);  // preempted: it holds no KV (num_computed_tokens 0)
+  }
   std::fill(r.drafts.begin(), r.drafts.end(), -1);
   r.num_drafts = 0;
   r.status = RequestStatus::kWaitingForInput;
@@ -53,8 +57,8 @@ void Scheduler::continue_session(int64_t id, std::span<const int32_t> tokens,
     throw InvalidArgument(call + "lora_name and cache_salt must be the session's (its KV was "
                           "computed under them)");
 
-  // The prompt: its tokens whose KV exists, then the new ones.
-  const int32_t kept = r.num_computed_tokens;
+  // The prompt: its tokens but the last it sampled (no row ever input it), then the new ones.
+  const int32_t kept = r.num_tokens() - 1;
   std::vector<int32_t> prompt(r.tokens.begin(), r.tokens.begin() + kept);
   prompt.insert(prompt.end(), tokens.begin(), tokens.end());
   r.num_prompt_tokens = static_cast<int32_t>(prompt.size());
@@ -65,8 +69,14 @@ void Scheduler::continue_session(int64_t id, std::span<const int32_t> tokens,
   const size_t whole = static_cast<size_t>(kept / config_.block_size);
   if (r.block_hashes.size() > whole) r.block_hashes.resize(whole);
   set_sampling(r, params, arrival_time);
-  r.input_ready = true;
   list_remove(sessions_waiting_, slot);
+  if (r.device_slot < 0) {
+    // Without KV (preempted when its turn ended) it is admitted as any preempted request is.
+    r.status = RequestStatus::kWaiting;
+    enqueue(waiting_, slot, /*preempted=*/true);
+    return;
+  }
+  r.input_ready = true;
   list_insert_after(sessions_resuming_, sessions_resuming_.tail, slot);
 }
 

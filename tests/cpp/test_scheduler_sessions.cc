@@ -171,6 +171,43 @@ TEST(SessionTest, RowsInFlightAtTheTurnsEndAreDroppedAndTheResumeWaitsForThem) {
   EXPECT_EQ(b4->row_tokens(0), (V{7, 8}));
 }
 
+// Found by the fuzz target: a session preempted while the row that ends its turn is in flight
+// has no KV to keep. It waits for input holding nothing (no seat either), and its next turn is
+// admitted as a preempted request is, its context computed again (its prefix hits aside).
+TEST(SessionTest, ASessionPreemptedWhenItsTurnEndsWaitsWithoutKv) {
+  SchedulerConfig c = Cfg(16);
+  c.max_num_seqs = 1;
+  H h(c);
+  SamplingParams p = Session(8);
+  p.stop_token_ids = {51};
+  h.add(1, Seq(10, 4), p);
+  auto b = h.sched();
+  h.upd(*b, V{50});
+  b = h.sched();  // its decode row, in flight
+  h.s.preempt_request(1);
+  Outs o = h.upd(*b, V{51});  // that row's token ends the turn
+  EXPECT_EQ(o.why(1), "stop_51");
+  EXPECT_TRUE(o.by_id.at(1).awaiting_input);
+  const Request& r = h.s.request(1);
+  EXPECT_EQ(r.status, RequestStatus::kWaitingForInput);
+  EXPECT_TRUE(r.block_table.empty());
+  EXPECT_EQ(h.s.block_pool().num_free_blocks(), 16);
+  h.add(2, Seq(30, 4), P(1));  // the one seat is free
+  b = h.sched();
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->req_ids, V64{2});
+  h.upd(*b, V{60});
+  h.s.continue_session(1, V{7}, Session(1));
+  EXPECT_EQ(h.s.request(1).status, RequestStatus::kWaiting);
+  b = h.sched();
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->ncached[0], 4) << "nothing kept but what the prefix cache holds";
+  EXPECT_EQ(b->row_tokens(0), (V{50, 7}));
+  o = h.upd(*b, V{61});
+  EXPECT_EQ(o.tokens(1), V{61});
+  EXPECT_TRUE(o.by_id.at(1).awaiting_input) << "max_tokens 1: its next turn ended";
+}
+
 TEST(SessionTest, SpeculativeTurnsDropTheTokensAfterTheStopAndKeepAllButTheLast) {
   H h(SpecCfg(16, /*k=*/2));
   SamplingParams p = Session(16);

@@ -458,12 +458,14 @@ class Scheduler {
   void take_device_slot(Request& r);
   void release_kv(Request& r, bool keep_blocks = false);  // blocks, state and device slots
   void start_remote_decode(int32_t slot);  // kWaitingForRemoteKv -> running, KV arrived
-  /// Requests holding a device slot: running, and sessions between turns (max_num_seqs bounds).
+  /// Requests holding a device slot: running, and sessions between turns that keep their KV
+  /// (max_num_seqs bounds them).
   [[nodiscard]] int32_t num_seated() const noexcept {
-    return num_running() + sessions_waiting_.size + sessions_resuming_.size;
+    return config_.max_num_seqs - static_cast<int32_t>(free_device_slots_.size());
   }
-  /// A running session's turn ended: it leaves the running set keeping its KV and device slot,
-  /// computed up to (not including) its last token, and waits for input.
+  /// A session's turn ended: it waits for input. A running one leaves the running set keeping
+  /// its KV and device slot, computed up to (not including) its last token; one preempted while
+  /// the row that ended its turn was in flight holds no KV and leaves `waiting`.
   void end_turn(int32_t slot);
   /// Resumes the sessions whose input arrived, in arrival order, each with a prompt row (its KV
   /// for the new tokens allocated now); false when one that could resume did not fit (blocks or
