@@ -134,6 +134,25 @@ def test_config_flag_refuses_what_is_not_a_flag(field: str, bad: Any) -> None:
     assert getattr(c, field) is True, "a refused value changed the field"
 
 
+@pytest.mark.parametrize("bad, error, words", [
+    (-1, ValueError, "prefill_lookahead_tokens"),
+    (64, ValueError, "max_num_batched_tokens"),  # the whole budget: a step could leave none
+    ("3", TypeError, None),
+    (2**40, TypeError, None),
+])
+def test_prefill_lookahead_refuses_what_no_step_could_leave(bad: Any, error: type,
+                                                          words: str | None) -> None:
+    with pytest.raises(error, match=words):
+        Scheduler(SchedulerConfig(num_blocks=8, max_num_batched_tokens=64,
+                                  prefill_lookahead_tokens=bad))
+    # Above a chunk's cap: a capped chunk could never leave that many.
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        Scheduler(SchedulerConfig(num_blocks=8, long_prefill_token_threshold=2,
+                                  prefill_lookahead_tokens=3))
+    Scheduler(SchedulerConfig(num_blocks=8, max_num_batched_tokens=64,
+                              prefill_lookahead_tokens=63))
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling parameters
 # ---------------------------------------------------------------------------------------------
