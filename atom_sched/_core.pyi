@@ -55,6 +55,7 @@ class SchedulerConfig:
     recompute_last_hit_block: bool
     long_prefill_token_threshold_adaptive: bool
     prefill_lookahead_tokens: int
+    pad_first_decode_rows: bool
     def __init__(
         self,
         num_blocks: int,
@@ -88,6 +89,7 @@ class SchedulerConfig:
         recompute_last_hit_block: bool = False,
         long_prefill_token_threshold_adaptive: bool = False,
         prefill_lookahead_tokens: int = 0,
+        pad_first_decode_rows: bool = False,
     ) -> None: ...
     def validate(self) -> None: ...
     @property

@@ -197,6 +197,9 @@ class AtomScheduler(SchedulerInterface):
             draft_slots_per_row=self.draft_slots_per_row,
             recompute_last_hit_block=self.recompute_last_hit_block,
             prefill_lookahead_tokens=self.prefill_lookahead,
+            # A request admitted with one token left verifies K -1 drafts, so a step of verify
+            # rows keeps its uniform 1 + K shape for full CUDA graphs (vLLM's padding).
+            pad_first_decode_rows=self.num_spec_tokens > 0,
             # Stops are per request (SamplingParams.stop_token_ids, EOS included): vLLM's EOS
             # comes with each request and may differ between them.
             eos_token_id=-1,

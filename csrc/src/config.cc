@@ -81,6 +81,9 @@ void SchedulerConfig::validate() const {
   require(long_prefill_token_threshold == 0 || enable_chunked_prefill,
           "long_prefill_token_threshold caps a request's prefill chunk: it needs "
           "enable_chunked_prefill=True");
+  require(!pad_first_decode_rows || (num_speculative_tokens > 0 && policy == BatchPolicy::kMixed),
+          "pad_first_decode_rows pads a row to K+1 tokens among the decode rows of its step: it "
+          "needs num_speculative_tokens > 0 and policy=mixed");
   // A step's whole budget (and a capped chunk) must be able to leave that many tokens.
   require(prefill_lookahead_tokens >= 0 && prefill_lookahead_tokens < max_num_batched_tokens,
           "prefill_lookahead_tokens must be in 0..max_num_batched_tokens - 1" +

@@ -597,9 +597,21 @@ PrefillChunk Scheduler::prefill_chunk() const {
   return {config_.enable_chunked_prefill, cap, config_.prefill_lookahead_tokens};
 }
 
-void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
+bool Scheduler::pads_first_decode(const Request& r, int32_t computed, const Batch& b,
+                                  bool chunk_continued, bool decodes) const {
+  // (config.h, pad_first_decode_rows.) A decode row publishes the prompt's last block only with
+  // cache_decode_blocks: without it, a row that completes that block stays a prompt row.
+  return config_.pad_first_decode_rows && r.num_tokens() - computed == 1 && !chunk_continued &&
+         (decodes || computed > 0) && computed + k_ + 2 <= position_limit_ &&
+         (cache_decode_blocks_ || r.num_tokens() % config_.block_size != 0) &&
+         b.num_rows < config_.max_num_seqs;
+}
+
+int32_t Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
   const int32_t max_rows = config_.max_num_seqs;
   const PrefillChunk chunk_of = prefill_chunk();
+  const int32_t decode_rows = b.num_rows;  // (a mixed step decodes first)
+  int32_t padded_rows = 0;
 
   // Phase 1: resume partial prefills, in running order (partial_ keeps it, so a mixed step
   // does not walk every running request to find them).
@@ -612,6 +624,7 @@ void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
     add_prefill_row(b, s, chunk);
     if (i < partial_.size() && partial_[i] == s) ++i;  // still partial; else it left partial_
   }
+  const bool chunk_continued = b.num_rows > decode_rows;
 
   // Phase 2: admit from the head of waiting, in service order, until one does not fit. Not in a
   // step that preempted (as vLLM): the pool is short of blocks, and a victim (the head of
@@ -622,10 +635,10 @@ void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
   // Sessions whose next input arrived hold their KV already, like requests whose remote KV
   // arrived: they go first, whatever admit_waiting and the delay factor say (vLLM drains its
   // KV-holding queue first, under PAUSED_NEW too).
-  if (!preempted && sessions_resuming_.size > 0 && !resume_sessions(b, chunk_of)) return;
-  if (!admit_waiting) return;
-  if (config_.scheduler_delay_factor > 0 && !passed_delay(now)) return;
-  if (preempted) return;
+  if (!preempted && sessions_resuming_.size > 0 && !resume_sessions(b, chunk_of)) return 0;
+  if (!admit_waiting) return 0;
+  if (config_.scheduler_delay_factor > 0 && !passed_delay(now)) return 0;
+  if (preempted) return 0;
   const int32_t bs = config_.block_size;
   const bool needs_state = config_.num_state_slots > 0;
   const AdmissionHeadroom headroom{config_.admission_watermark_blocks};
@@ -681,8 +694,13 @@ void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
         match.load_async ? 0
                          : chunk_of(r.num_tokens() - computed, row_token_room(b), r.preempted);
     if (chunk == 0 && !match.load_async) break;
+    bool pad = !match.load_async && pads_first_decode(r, computed, b, chunk_continued,
+                                                      decode_rows > 0);
+    if (pad && k_ + 1 > row_token_room(b)) break;  // it waits rather than go unpadded (vLLM)
     pool_.allocate(r.block_hashes, hits, r.num_tokens(), r.block_table);
     if (ahead > 0) pool_.grow(r.block_table, static_cast<int32_t>(r.block_table.size()) + ahead);
+    // The padded positions' KV beyond the admission's reservation: short of it, one token.
+    if (pad) pad = pool_.grow(r.block_table, ceil_div(kv_slots_for(computed + k_ + 1), bs));
     r.table_changed();
     r.epoch = next_epoch_++;
     r.blocks_shipped = 0;
@@ -721,10 +739,16 @@ void Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
     r.loaded_tokens = computed - hits * bs;
     r.status = RequestStatus::kRunning;
     add_running(s);
-    track_partial(s);  // always partial here: the last token is always computed
-    add_prefill_row(b, s, chunk);
-    if (fair) tenant_counters_[r.tenant] += chunk / tenants_.weight(r.tenant);
+    if (pad) {
+      add_padded_first_decode_row(b, s);
+      ++padded_rows;
+    } else {
+      track_partial(s);  // always partial here: the last token is always computed
+      add_prefill_row(b, s, chunk);
+    }
+    if (fair) tenant_counters_[r.tenant] += (pad ? k_ + 1 : chunk) / tenants_.weight(r.tenant);
   }
+  return padded_rows;
 }
 
 int32_t Scheduler::external_tokens(const Request& r, int32_t local, const RemoteMatch& m) {
@@ -1013,7 +1037,7 @@ const Batch* Scheduler::schedule(double now, bool allow_prefill, bool admit_wait
   if (config_.policy == BatchPolicy::kMixed) {
     // Stall-free: no running request waits for a prefill; prompts take the budget left.
     decode_rows = schedule_decodes(b);
-    if (allow_prefill) schedule_prefills(b, now, admit_waiting);
+    if (allow_prefill) decode_rows += schedule_prefills(b, now, admit_waiting);
   } else {
     if (allow_prefill) schedule_prefills(b, now, admit_waiting);
     if (b.num_rows == 0) decode_rows = schedule_decodes(b);
@@ -1253,6 +1277,20 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   std::fill_n(b.spec_draft_tokens.data() + static_cast<size_t>(row) * k_, k_, -1);
   ++r.num_inflight;
   sync_steady(r);
+}
+
+void Scheduler::add_padded_first_decode_row(Batch& b, int32_t slot) {
+  // Its K drafts read -1: placeholders, never accepted (a request holds no drafts at
+  // admission; cleared here all the same).
+  Request& r = requests_[slot];
+  std::fill(r.drafts.begin(), r.drafts.end(), -1);
+  r.num_drafts = 0;
+  if (block_shift_ >= 0)
+    add_decode_row<true, true>(b, slot, k_ + 1);
+  else
+    add_decode_row<true, false>(b, slot, k_ + 1);
+  b.row_is_prefill[b.num_rows - 1] = 0;
+  b.emits_token[b.num_rows - 1] = 1;
 }
 
 template <bool kPow2>

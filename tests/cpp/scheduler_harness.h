@@ -212,13 +212,14 @@ class H {
   }
 
   // A step that preempted admits no request from waiting (as vLLM): above all, a request is never
-  // preempted and re-admitted in one step (its KV recomputed at once). An admission is a prefill
-  // row whose device slot starts afresh; a request preempted by the step was running before it.
+  // preempted and re-admitted in one step (its KV recomputed at once). An admission is a row
+  // whose device slot starts afresh (a prompt row, or a padded first decode row:
+  // pad_first_decode_rows); a request preempted by the step was running before it.
   // (A request whose remote KV arrived may join the running set a step before its first row: it
   // had shipped no block then, and is left out of running_before.)
   void CheckAdmissions(const Snap& b, const V64& running_before, int64_t preemptions) {
     for (int32_t i = 0; i < b.num_rows; ++i) {
-      if (!b.prefill_rows[i] || !b.slot_reset[i]) continue;
+      if (!b.slot_reset[i]) continue;
       EXPECT_EQ(std::count(running_before.begin(), running_before.end(), b.req_ids[i]), 0)
           << "batch " << b.id << ": request " << b.req_ids[i]
           << " preempted and re-admitted in one step";

@@ -204,6 +204,9 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
       const int32_t cap = c.long_prefill_token_threshold > 0 ? c.long_prefill_token_threshold : 3;
       c.prefill_lookahead_tokens = std::min({3, c.max_num_batched_tokens - 1, cap});
     }
+    // vLLM's first-decode padding: an admission with one token left verifies K -1 drafts.
+    c.pad_first_decode_rows =
+        seed % 3 == 2 && c.policy == BatchPolicy::kMixed && c.num_speculative_tokens > 0;
     // Streaming-input sessions: some requests resume after their turns end (not with state
     // slots, which add_request refuses for them).
     const bool sessions = seed % 4 == 3 && c.num_state_slots == 0;

@@ -123,7 +123,8 @@ def test_config_wrong_type_is_type_error() -> None:
 
 
 @pytest.mark.parametrize("field", ["recompute_last_hit_block",
-                                   "long_prefill_token_threshold_adaptive"])
+                                   "long_prefill_token_threshold_adaptive",
+                                   "pad_first_decode_rows"])
 @pytest.mark.parametrize("bad", ["yes", [True], {"on": 1}])
 def test_config_flag_refuses_what_is_not_a_flag(field: str, bad: Any) -> None:
     with pytest.raises(TypeError):
@@ -151,6 +152,17 @@ def test_prefill_lookahead_refuses_what_no_step_could_leave(bad: Any, error: typ
                                   prefill_lookahead_tokens=3))
     Scheduler(SchedulerConfig(num_blocks=8, max_num_batched_tokens=64,
                               prefill_lookahead_tokens=63))
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"num_speculative_tokens": 0, "policy": "mixed"}, "num_speculative_tokens > 0"),
+    ({"num_speculative_tokens": 2, "policy": "atom"}, "policy=mixed"),
+])
+def test_first_decode_padding_needs_drafts_and_mixed_steps(config: dict, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        Scheduler(SchedulerConfig(num_blocks=8, pad_first_decode_rows=True, **config))
+    Scheduler(SchedulerConfig(num_blocks=8, pad_first_decode_rows=True, num_speculative_tokens=2,
+                              policy="mixed"))
 
 
 # ---------------------------------------------------------------------------------------------

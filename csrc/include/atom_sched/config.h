@@ -115,6 +115,15 @@ struct SchedulerConfig {
   // fit under the position limit (else it waits for its outputs). Only a row at the limit is
   // shorter, and accepting its tokens ends the request. false: rows verify only real drafts.
   bool uniform_decode_rows = false;
+  // A request admitted with only its last token to compute (the rest of its prompt a prefix hit
+  // or loaded by a connector) gets a decode row of K+1 tokens whose K drafts are -1, never
+  // accepted, instead of a one-token row: a batch of verify rows keeps its uniform K+1 shape
+  // (vLLM's first-decode padding, for full CUDA graphs). As vLLM: not in a step where a
+  // running request's prompt chunk continues (that batch is not uniform anyway), only when the
+  // step also decodes or the request computed something before, only when K+1 positions and
+  // the token they sample fit under the position limit, and a request the token budget cannot
+  // give K+1 tokens waits rather than go unpadded. Needs K > 0 and BatchPolicy::kMixed.
+  bool pad_first_decode_rows = false;
   // Write each batch's host block tables (Batch::block_tables, [rows, max_blocks_per_request]).
   // false: the batch carries none (the vector is empty), for runners that keep their tables per
   // device slot from the batch's slot plan (slot_reset, new_block_*: DeviceBatchBuilder does).

@@ -381,7 +381,12 @@ class Scheduler {
   void ensure_block_hashes(Request& r, int32_t num_blocks);
   [[nodiscard]] int32_t probe_blocks(const Request& r) const;  // blocks can_allocate may hit
   [[nodiscard]] bool passed_delay(double now);
-  void schedule_prefills(Batch& b, double now, bool admit_waiting);
+  /// Returns the decode rows it added: the padded first rows (pad_first_decode_rows).
+  int32_t schedule_prefills(Batch& b, double now, bool admit_waiting);
+  /// pad_first_decode_rows' rule for a request admitted with `computed` tokens computed:
+  /// whether its one-token row is padded to K+1 in batch `b`.
+  [[nodiscard]] bool pads_first_decode(const Request& r, int32_t computed, const Batch& b,
+                                       bool chunk_continued, bool decodes) const;
   int32_t schedule_decodes(Batch& b);  // returns the decode rows it added
   // The decode loop and its row helpers are compiled per kind of step (kSpec: K > 0; kPow2: a
   // power-of-two block size), so the common K = 0 step carries no draft logic and no division
@@ -481,6 +486,7 @@ class Scheduler {
   // Batch assembly.
   void begin_batch(Batch& b);
   void add_prefill_row(Batch& b, int32_t slot, int32_t chunk);
+  void add_padded_first_decode_row(Batch& b, int32_t slot);  // pad_first_decode_rows
   /// The columns that follow from each row's cached and scheduled token counts (context_lens,
   /// last_block_num_tokens, cu_seqlens_q/k, max_seqlen_q/k), for every row at once: the row
   /// helpers write only what a request gives, and these passes vectorise. Out of line: inlined

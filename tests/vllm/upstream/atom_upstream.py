@@ -185,12 +185,6 @@ EXPECTED: list[tuple[str, str, str]] = [
     (A + "test_prefix_caching_for_prefill_dedup", "policy",
      "a block enters the prefix cache when the step that computed it returns: two identical "
      "prompts admitted in one step share no blocks"),
-    (S + "test_spec_decode_padding_first_decode_step", "policy",
-     "a request admitted with only its last token to compute gets a one-token row: not "
-     "padded to 1 + K with -1 drafts"),
-    (S + "test_spec_decode_padding_resumed_request_without_running_requests", "policy",
-     "a request admitted with only its last token to compute gets a one-token row: not "
-     "padded to 1 + K with -1 drafts"),
     (S + "test_spec_decoding_stats_empty_output", "policy",
      "a row that must sample but gets no token from the runner raises (runner and scheduler "
      "disagree); vLLM counts it as no token"),
