@@ -175,6 +175,9 @@ EXPECTED: list[tuple[str, str, str]] = [
     (S + "test_memory_leak", "whitebox",
      "its leak check reads kv_cache_manager and encoder_cache_manager (the run before it "
      "passes)"),
+    (S + "test_spec_decode_padding_skipped_for_diffusion", "whitebox",
+     "sets num_sampled_tokens_per_step, an internal of vLLM's diffusion scheduler, on a built "
+     "scheduler (diffusion models are refused)"),
     # ---- documented policy differences ----
     (S + "test_schedule_concurrent_batches", "policy",
      "a second schedule() before the first update_from_output without async scheduling "
