@@ -167,6 +167,28 @@ def test_ngram_speculative_decoding_gives_vllms_answers():
     assert stats["num_finished"] == len(SAMPLING) and ours["kv_usage_end"] == 0.0
 
 
+def test_a_first_decode_row_is_padded_as_vllm_pads_it():
+    """n-gram drafts, one request at a time, prefix caching: three prompts of 129 tokens, then
+    the same three again, each of which finds 128 of its tokens (one vLLM CPU block) cached and
+    has one left to compute. vLLM pads that first decode row to 1 + K with -1 drafts, and so does
+    the class (pad_first_decode_rows): as many padded rows, and the same answers."""
+    greedy = [{"temperature": 0.0, "max_tokens": 24}]
+    one_at_a_time = {**PREFIX_CHUNKED, **NGRAM, "max_num_seqs": 1}
+    runs = {name: run(name, one_at_a_time, sampling=greedy, num_prompts=3,
+                      prompt_tail_tokens=129, repeat_prompts=True)
+            for name in ("atom", "vllm")}
+    ours, theirs = runs["atom"], runs["vllm"]
+    print(f"padded rows: atom_sched {ours['padded_rows']}, vLLM {theirs['padded_rows']}")
+    assert ours["padded_rows"] == theirs["padded_rows"] == [3]
+    assert [o["token_ids"] for o in ours["outputs"]] == [o["token_ids"]
+                                                         for o in theirs["outputs"]]
+    assert [o["num_cached_tokens"] for o in ours["outputs"]] == [0, 0, 0, 128, 128, 128]
+    # A repeated prompt answers as it did the first time (greedy, the same KV).
+    assert [o["token_ids"] for o in ours["outputs"][3:]] == [o["token_ids"]
+                                                             for o in ours["outputs"][:3]]
+    assert ours["core_stats"]["num_finished"] == 6 and ours["kv_usage_end"] == 0.0
+
+
 def _drafter_writing_ahead(**drafter) -> tuple[dict, dict]:
     """Both schedulers with a drafter that writes KV past each row's verified tokens (three
     tokens a step), one request at a time (vLLM's CPU runner corrupts batches of several with

@@ -271,6 +271,20 @@ def main() -> None:
             return out
 
         sched.schedule = checked_schedule
+    padded = [0]
+    if "speculative_config" in llm_args:
+        # Rows whose drafts are all -1: a first decode row padded to 1 + K (vLLM's uniform
+        # shape for CUDA graphs), counted as the scheduler hands them to the runner.
+        unpadded_schedule = sched.schedule
+
+        def counted_schedule(*args, **kwargs):
+            out = unpadded_schedule(*args, **kwargs)
+            padded[0] += sum(1 for d in out.scheduled_spec_decode_tokens.values()
+                             if d and all(t == -1 for t in d))
+            return out
+
+        sched.schedule = counted_schedule
+        res["padded_rows"] = padded
     drafts: dict[str, list[list[int]]] = {}
     if "speculative_config" in llm_args:
         # Every proposal the runner hands over (those after a prompt chunk too, which either
@@ -285,6 +299,11 @@ def main() -> None:
 
         sched.update_draft_token_ids = recorded
     ps = prompts(tok, cfg.get("system", True))[: cfg.get("num_prompts", len(QUESTIONS))]
+    if cfg.get("prompt_tail_tokens"):  # each prompt cut to its last N tokens
+        ps = [{"prompt_token_ids": p["prompt_token_ids"][-cfg["prompt_tail_tokens"]:]}
+              for p in ps]
+    if cfg.get("repeat_prompts"):  # every prompt again, after them all
+        ps = ps + ps
     # LoRA: {"loras": {name: [lora_int_id, seed]}} makes those adapters (lora_adapter.py);
     # {"lora_of_prompt": [name or None, ...]} serves each prompt with one.
     adapters = {}
