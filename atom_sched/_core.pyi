@@ -56,6 +56,7 @@ class SchedulerConfig:
     long_prefill_token_threshold_adaptive: bool
     prefill_lookahead_tokens: int
     pad_first_decode_rows: bool
+    publish_prompt_blocks_at_schedule: bool
     def __init__(
         self,
         num_blocks: int,
@@ -90,6 +91,7 @@ class SchedulerConfig:
         long_prefill_token_threshold_adaptive: bool = False,
         prefill_lookahead_tokens: int = 0,
         pad_first_decode_rows: bool = False,
+        publish_prompt_blocks_at_schedule: bool = False,
     ) -> None: ...
     def validate(self) -> None: ...
     @property

@@ -200,6 +200,9 @@ class AtomScheduler(SchedulerInterface):
             # A request admitted with one token left verifies K -1 drafts, so a step of verify
             # rows keeps its uniform 1 + K shape for full CUDA graphs (vLLM's padding).
             pad_first_decode_rows=self.num_spec_tokens > 0,
+            # A prompt's blocks shared from the step that computes them, as vLLM caches blocks
+            # at allocation (identical prompts in one step, parallel sampling's children).
+            publish_prompt_blocks_at_schedule=True,
             # Stops are per request (SamplingParams.stop_token_ids, EOS included): vLLM's EOS
             # comes with each request and may differ between them.
             eos_token_id=-1,

@@ -1270,6 +1270,11 @@ void Scheduler::add_prefill_row(Batch& b, int32_t slot, int32_t chunk) {
   b.num_tokens += chunk;
   r.num_computed_tokens += chunk;
   if (!r.is_partial_prefill()) untrack_partial(slot);  // its prompt is fully scheduled
+  if (config_.publish_prompt_blocks_at_schedule && config_.enable_prefix_caching &&
+      r.loaded_tokens == 0) {
+    const int32_t end = r.num_computed_tokens / config_.block_size;
+    if (r.blocks_published < end) publish_blocks(r, end);  // (config.h: why this is safe)
+  }
   b.row_is_prefill[row] = 1;
   b.emits_token[row] = r.num_computed_tokens == r.prefill_target;
   b.row_exact[row] = 1;  // prompt tokens and positions are always known

@@ -116,6 +116,28 @@ def test_prefix_caching_and_chunked_prefill_give_vllms_answers():
     assert ours["kv_usage_end"] == 0.0
 
 
+def test_parallel_sampling_children_share_their_prompt_as_with_vllms_scheduler():
+    """n = 3 children of each of three prompts arrive together: the first computes the prompt,
+    the other two share its full 128-token blocks from that same step (vLLM caches blocks at
+    allocation; the core publishes a chunk's blocks when it is scheduled), and every child
+    answers as with vLLM's scheduler."""
+    # (vLLM refuses n > 1 when greedy: top_k = 1 samples the argmax all the same.)
+    greedy_n = [{"temperature": 1.0, "top_k": 1, "max_tokens": 16, "n": 3}]
+    llm = {"enable_prefix_caching": True, "max_num_batched_tokens": 1024, "max_model_len": 1024}
+    ours = run("atom", llm, sampling=greedy_n, num_prompts=3)
+    theirs = run("vllm", llm, sampling=greedy_n, num_prompts=3)
+    assert [o["samples"] for o in ours["outputs"]] == [o["samples"] for o in theirs["outputs"]]
+    assert all(len(o["samples"]) == 3 for o in ours["outputs"])
+    assert ([o["num_cached_tokens"] for o in ours["outputs"]]
+            == [o["num_cached_tokens"] for o in theirs["outputs"]])
+    # The shared system prompt's block, then each prompt's own blocks: two children of each
+    # prompt hit every full block of it; the prompts after the first hit the system block too.
+    stats = ours["core_stats"]
+    print(f"prefix hit tokens {stats['prefix_hit_tokens']}, steps {stats['num_steps']}")
+    assert stats["prefix_hit_tokens"] >= 2 * 3 * 128
+    assert stats["num_finished"] == 9 and ours["kv_usage_end"] == 0.0
+
+
 def test_preemption_under_a_small_kv_pool_gives_vllms_answers():
     ours = run("atom", SMALL_KV)
     theirs = run("vllm", SMALL_KV)

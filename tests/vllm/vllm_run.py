@@ -108,7 +108,8 @@ def result_of(o) -> dict:
     c = o.outputs[0]
     return {"token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason, "num_cached_tokens": o.num_cached_tokens,
-            "num_cache_creation_tokens": o.num_cache_creation_tokens, "text": c.text}
+            "num_cache_creation_tokens": o.num_cache_creation_tokens, "text": c.text,
+            "samples": [list(s.token_ids) for s in o.outputs]}  # all n (parallel sampling)
 
 
 class LookaheadCheck:

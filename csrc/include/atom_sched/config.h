@@ -124,6 +124,15 @@ struct SchedulerConfig {
   // the token they sample fit under the position limit, and a request the token budget cannot
   // give K+1 tokens waits rather than go unpadded. Needs K > 0 and BatchPolicy::kMixed.
   bool pad_first_decode_rows = false;
+  // Publish the full blocks a prompt chunk computes when the chunk is scheduled, not when its
+  // step returns, so requests admitted later in the same step, or in a step after it while it
+  // is in flight, share them (vLLM caches blocks at allocation: identical prompts admitted
+  // together, parallel sampling's children, compute one prompt). A reader's row runs in the
+  // same step as the writer's or a later one, so this needs a runner that executes batches in
+  // order and writes each step's KV before its attention reads it (every paged-attention
+  // runner: vLLM's). Not for a request whose admission loaded KV from a connector: its
+  // computed blocks depend on a load that may yet fail. Needs enable_prefix_caching to matter.
+  bool publish_prompt_blocks_at_schedule = false;
   // Write each batch's host block tables (Batch::block_tables, [rows, max_blocks_per_request]).
   // false: the batch carries none (the vector is empty), for runners that keep their tables per
   // device slot from the batch's slot plan (slot_reset, new_block_*: DeviceBatchBuilder does).

@@ -185,9 +185,6 @@ EXPECTED: list[tuple[str, str, str]] = [
      "requests one step ahead, vLLM's synchronous scheduler leaves them out"),
     (S + "test_preempt_during_execution", "policy",
      "a second schedule() before the first update_from_output (batch queue, as above)"),
-    (A + "test_prefix_caching_for_prefill_dedup", "policy",
-     "a block enters the prefix cache when the step that computed it returns: two identical "
-     "prompts admitted in one step share no blocks"),
     (S + "test_spec_decoding_stats_empty_output", "policy",
      "a row that must sample but gets no token from the runner raises (runner and scheduler "
      "disagree); vLLM counts it as no token"),
