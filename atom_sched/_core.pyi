@@ -57,6 +57,7 @@ class SchedulerConfig:
     prefill_lookahead_tokens: int
     pad_first_decode_rows: bool
     publish_prompt_blocks_at_schedule: bool
+    schedule_ahead: bool
     def __init__(
         self,
         num_blocks: int,
@@ -92,6 +93,7 @@ class SchedulerConfig:
         prefill_lookahead_tokens: int = 0,
         pad_first_decode_rows: bool = False,
         publish_prompt_blocks_at_schedule: bool = False,
+        schedule_ahead: bool = True,
     ) -> None: ...
     def validate(self) -> None: ...
     @property

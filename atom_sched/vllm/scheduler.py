@@ -203,6 +203,9 @@ class AtomScheduler(SchedulerInterface):
             # A prompt's blocks shared from the step that computes them, as vLLM caches blocks
             # at allocation (identical prompts in one step, parallel sampling's children).
             publish_prompt_blocks_at_schedule=True,
+            # vLLM's synchronous runner is given every input token: with a step in flight (a
+            # batch queue) its requests sit out the next step, as in vLLM's Scheduler.
+            schedule_ahead=self.async_scheduling,
             # Stops are per request (SamplingParams.stop_token_ids, EOS included): vLLM's EOS
             # comes with each request and may differ between them.
             eos_token_id=-1,

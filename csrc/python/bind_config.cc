@@ -38,7 +38,7 @@ void add_pickle(py::class_<T>& cls, const std::array<const char*, N>& fields) {
   });
 }
 
-constexpr std::array<const char*, 32> kSchedulerConfigFields = {
+constexpr std::array<const char*, 33> kSchedulerConfigFields = {
     "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "enable_prefix_caching", "enable_chunked_prefill", "num_speculative_tokens", "eos_token_id",
     "stop_token_ids", "scheduler_delay_factor", "enable_kv_events", "num_state_slots",
@@ -47,7 +47,8 @@ constexpr std::array<const char*, 32> kSchedulerConfigFields = {
     "admission_watermark_blocks", "tenant_weights", "fence_freed_blocks",
     "drop_preempted_outputs", "num_lookahead_tokens", "draft_slots_per_row",
     "recompute_last_hit_block", "long_prefill_token_threshold_adaptive",
-    "prefill_lookahead_tokens", "pad_first_decode_rows", "publish_prompt_blocks_at_schedule"};
+    "prefill_lookahead_tokens", "pad_first_decode_rows", "publish_prompt_blocks_at_schedule",
+    "schedule_ahead"};
 constexpr std::array<const char*, 17> kSamplingParamsFields = {
     "temperature", "top_k", "top_p", "max_tokens", "ignore_eos", "n", "logprobs",
     "stop_token_ids", "stop_token_sequences", "seed", "min_tokens", "priority", "cache_salt",
@@ -148,7 +149,7 @@ void bind_config(py::module_& m) {
                        int32_t draft_slots_per_row, bool recompute_last_hit_block,
                        bool long_prefill_token_threshold_adaptive,
                        int32_t prefill_lookahead_tokens, bool pad_first_decode_rows,
-                       bool publish_prompt_blocks_at_schedule) {
+                       bool publish_prompt_blocks_at_schedule, bool schedule_ahead) {
              SchedulerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -182,6 +183,7 @@ void bind_config(py::module_& m) {
              c.prefill_lookahead_tokens = prefill_lookahead_tokens;
              c.pad_first_decode_rows = pad_first_decode_rows;
              c.publish_prompt_blocks_at_schedule = publish_prompt_blocks_at_schedule;
+             c.schedule_ahead = schedule_ahead;
              return c;
            }),
            "num_blocks"_a, py::kw_only(), "block_size"_a = 16, "max_num_seqs"_a = 256,
@@ -199,7 +201,8 @@ void bind_config(py::module_& m) {
            "num_lookahead_tokens"_a = 0, "draft_slots_per_row"_a = 0,
            "recompute_last_hit_block"_a = false,
            "long_prefill_token_threshold_adaptive"_a = false, "prefill_lookahead_tokens"_a = 0,
-           "pad_first_decode_rows"_a = false, "publish_prompt_blocks_at_schedule"_a = false)
+           "pad_first_decode_rows"_a = false, "publish_prompt_blocks_at_schedule"_a = false,
+           "schedule_ahead"_a = true)
       .def_readwrite("num_blocks", &SchedulerConfig::num_blocks)
       .def_readwrite("block_size", &SchedulerConfig::block_size)
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
@@ -243,6 +246,7 @@ void bind_config(py::module_& m) {
       .def_readwrite("pad_first_decode_rows", &SchedulerConfig::pad_first_decode_rows)
       .def_readwrite("publish_prompt_blocks_at_schedule",
                      &SchedulerConfig::publish_prompt_blocks_at_schedule)
+      .def_readwrite("schedule_ahead", &SchedulerConfig::schedule_ahead)
       .def_property(
           "tenant_weights", [](const SchedulerConfig& c) { return c.tenant_weights; },
           [](SchedulerConfig& c, const py::object& v) {

@@ -865,6 +865,7 @@ template <bool kSpec>
   // (num_unstreamed, a hot field, guards the read of the cold pending_stop.)
   if (r.num_unstreamed > 0 && r.pending_stop != FinishReason::kNone)
     return r.num_inflight > 0 ? 0 : 1;
+  if (r.num_inflight > 0 && !config_.schedule_ahead) return 0;  // it waits for its output
   // Outputs in flight (each emits at least one token) that will end the request: a row now
   // would be discarded, and could preempt another request for nothing.
   if (r.num_inflight > 0 && r.num_tokens() + r.num_inflight >= r.stop_length) return 0;

@@ -209,6 +209,8 @@ std::vector<int64_t> RandomStream(uint32_t seed, bool check_plan, bool host_tabl
         seed % 3 == 2 && c.policy == BatchPolicy::kMixed && c.num_speculative_tokens > 0;
     // vLLM's block caching at allocation: prompt blocks shared within a step.
     c.publish_prompt_blocks_at_schedule = seed % 4 == 2;
+    // A synchronous runner's batch queue: no row one step ahead.
+    c.schedule_ahead = seed % 5 != 1;
     // Streaming-input sessions: some requests resume after their turns end (not with state
     // slots, which add_request refuses for them).
     const bool sessions = seed % 4 == 3 && c.num_state_slots == 0;

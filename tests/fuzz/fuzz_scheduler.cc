@@ -108,6 +108,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   cfg.pad_first_decode_rows =
       cfg.policy == BatchPolicy::kMixed && cfg.num_speculative_tokens > 0 && (in.next() & 1);
   cfg.publish_prompt_blocks_at_schedule = in.next() & 1;
+  cfg.schedule_ahead = in.below(4) != 0;
   Scheduler s(cfg);
   if (in.next() & 1) s.set_kv_connector(std::make_shared<FuzzConnector>(in));
   const int32_t k = cfg.num_speculative_tokens;

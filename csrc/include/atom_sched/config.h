@@ -133,6 +133,13 @@ struct SchedulerConfig {
   // runner: vLLM's). Not for a request whose admission loaded KV from a connector: its
   // computed blocks depend on a load that may yet fail. Needs enable_prefix_caching to matter.
   bool publish_prompt_blocks_at_schedule = false;
+  // A decode row for a request whose last row is still in flight: true schedules it one step
+  // ahead (its input token and, with drafts, its length known on the device only: the
+  // asynchronous protocol); false leaves the request out of the step until that row's output
+  // is in, for a runner that must be given every input token (vLLM's synchronous scheduler
+  // with a batch queue: its scheduled requests sit out the next step). Prompt chunks are
+  // scheduled either way (their tokens are known).
+  bool schedule_ahead = true;
   // Write each batch's host block tables (Batch::block_tables, [rows, max_blocks_per_request]).
   // false: the batch carries none (the vector is empty), for runners that keep their tables per
   // device slot from the batch's slot plan (slot_reset, new_block_*: DeviceBatchBuilder does).

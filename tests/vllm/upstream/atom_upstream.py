@@ -19,6 +19,7 @@ import fnmatch
 import os
 import sys
 from collections import Counter
+from unittest import mock
 
 import pytest
 
@@ -179,12 +180,6 @@ EXPECTED: list[tuple[str, str, str]] = [
      "sets num_sampled_tokens_per_step, an internal of vLLM's diffusion scheduler, on a built "
      "scheduler (diffusion models are refused)"),
     # ---- documented policy differences ----
-    (S + "test_schedule_concurrent_batches", "policy",
-     "a second schedule() before the first update_from_output without async scheduling "
-     "(vLLM's batch queue with pipeline parallelism, refused): the core schedules the running "
-     "requests one step ahead, vLLM's synchronous scheduler leaves them out"),
-    (S + "test_preempt_during_execution", "policy",
-     "a second schedule() before the first update_from_output (batch queue, as above)"),
     (S + "test_spec_decoding_stats_empty_output", "policy",
      "a row that must sample but gets no token from the runner raises (runner and scheduler "
      "disagree); vLLM counts it as no token"),
@@ -216,13 +211,19 @@ def _wrap_create_scheduler(orig):
         if scheduler_cls is not None:
             pytest.skip(f"tests vLLM's own {scheduler_cls.__name__} (passed as "
                         "scheduler_cls), not the scheduler under test")
-        scheduler = orig(*args, scheduler_cls=AtomScheduler, **kwargs)
-        if kwargs.get("async_scheduling"):
-            # The test wants vLLM's AsyncScheduler behaviour. vLLM's CPU platform turns
-            # scheduler_config.async_scheduling off while the config is built (a GPU keeps it,
-            # and the class reads it there), so the flag the class reads is set here.
-            scheduler.async_scheduling = True
-        return scheduler
+        if not kwargs.get("async_scheduling"):
+            return orig(*args, scheduler_cls=AtomScheduler, **kwargs)
+        # The test wants vLLM's AsyncScheduler behaviour. vLLM's CPU platform turns
+        # scheduler_config.async_scheduling off while the config is built (a GPU keeps it, and
+        # the class reads it there), so it is set again just before the class reads it.
+        init = AtomScheduler.__init__
+
+        def init_async(self, vllm_config, *a, **k):
+            vllm_config.scheduler_config.async_scheduling = True
+            init(self, vllm_config, *a, **k)
+
+        with mock.patch.object(AtomScheduler, "__init__", init_async):
+            return orig(*args, scheduler_cls=AtomScheduler, **kwargs)
 
     create_scheduler.__wrapped__ = orig
     return create_scheduler
