@@ -871,11 +871,13 @@ class AtomScheduler(SchedulerInterface):
                       else self._fail_kv_loads)
             handle(set(kv_output.invalid_block_ids), set(kv_output.failed_recving or ()))
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        if step.batch is not None:
+            self._apply(step, scheduler_output, model_runner_output, outputs)
+        # Requests ended without a token (refused, failed loads, a row the runner left empty),
+        # this step's included.
         for client_index, eco in self._pending_outputs:
             outputs[client_index].append(eco)
         self._pending_outputs = []
-        if step.batch is not None:
-            self._apply(step, scheduler_output, model_runner_output, outputs)
         kv_connector_stats = None
         if self._kv is not None:
             kv_connector_stats = self._kv_transfers_done(kv_output)
@@ -989,8 +991,10 @@ class AtomScheduler(SchedulerInterface):
         return request.num_prompt_tokens // self.block_size * self.block_size
 
     def _runner_tokens(self, step: _InFlight, mro: Any) -> list[list[int] | None]:
-        """Each row's tokens from the runner, None where it sampled none; raises for a row that
-        should have sampled (the runner and the core disagree: never guessed)."""
+        """Each row's tokens from the runner, None where it sampled none. A row that should
+        have sampled and got nothing (the runner and the core disagree: never guessed) ends its
+        request with an error, before the core applies the step; the engine goes on (vLLM's
+        scheduler counts it as no token and leaves the request running)."""
         sampled_lists = mro.sampled_token_ids
         if sampled_lists:
             index = mro.req_id_to_index
@@ -1003,9 +1007,11 @@ class AtomScheduler(SchedulerInterface):
             for row, toks in enumerate(per_row):
                 rid = step.row_req_ids[row]
                 if not toks and emits[row] and rid in self._tracked:
-                    raise RuntimeError(
-                        f"the model runner sampled no token for request {rid!r}, whose row "
-                        "completes its prompt or decodes")
+                    request = self.requests[rid]
+                    self.finish_requests(rid, RequestStatus.FINISHED_ERROR)
+                    self._end_unserved(request, RequestStatus.FINISHED_ERROR,
+                                       "the model runner sampled no token for its row, which "
+                                       "completes its prompt or decodes")
         return per_row
 
     def _sampled_tokens(self, step: _InFlight, mro: Any) -> np.ndarray:

@@ -603,6 +603,43 @@ def test_protocol_with_preemption_and_rejection_against_a_stand_in_runner():
     assert not s.has_requests() and s.core_stats()["num_aborted"] == 2
 
 
+def test_a_row_the_runner_left_without_a_token_ends_only_its_request():
+    """The runner and the scheduler disagree: a decoding row comes back with no token. That
+    request ends with an error in this step's outputs (the runner is told it finished); the
+    others go on and the engine keeps serving (vLLM's scheduler counts no token and leaves the
+    request running)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from atom_sched.vllm import AtomScheduler
+
+    cfg, kv = _config()
+    s = AtomScheduler(cfg, kv, None, block_size=16, log_stats=True)
+    runner = StandInRunner(16)
+    s.add_request(make_request("a", 14, 6))
+    s.add_request(make_request("b", 14, 6))
+    out = s.schedule()
+    s.update_from_output(out, runner.step(out))
+    out = s.schedule()
+    mro = runner.step(out)
+    emptied = [[] if rid == "b" else toks
+               for rid, toks in zip(mro.req_ids, mro.sampled_token_ids, strict=True)]
+    result = s.update_from_output(out, ModelRunnerOutput(
+        req_ids=mro.req_ids, req_id_to_index=mro.req_id_to_index, sampled_token_ids=emptied))
+    got = {o.request_id: o for eco in result.values() for o in eco.outputs}
+    assert str(got["b"].finish_reason) == "error" and got["b"].new_token_ids == []
+    assert got["a"].new_token_ids == [7] and got["a"].finish_reason is None
+    assert "b" not in s.requests and "b" in result[0].finished_requests
+    tokens = {"a": [7, 7]}
+    while s.has_requests():
+        out = s.schedule()
+        assert "b" not in out.num_scheduled_tokens
+        for eco in s.update_from_output(out, runner.step(out)).values():
+            for o in eco.outputs:
+                tokens[o.request_id].extend(o.new_token_ids)
+    assert tokens == {"a": [7] * 6}
+    assert s.get_kv_cache_usage() == 0.0 and not s.requests
+
+
 def test_running_waiting_and_sampling_masks_against_a_stand_in_runner():
     import numpy as np
     from vllm.v1.outputs import SamplingMaskLists
@@ -761,7 +798,9 @@ def test_streaming_input_sessions_against_a_stand_in_runner():
     assert ends == {"a": [FinishReason.LENGTH], "b": [FinishReason.LENGTH] * 2}
     assert a.status == RequestStatus.WAITING_FOR_STREAMING_REQ and "a" in s.requests
     assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED and "b" not in s.requests
-    assert new_turns["b"] == [(0, list(range(1, 21))),
+    # (b's prompt is a's: a's first block, computed in that same step, is shared, as vLLM's
+    # scheduler shares a block from its allocation.)
+    assert new_turns["b"] == [(16, list(range(1, 21))),
                               (21, list(range(1, 21)) + [7, 5, 6, 7])]
     assert s.get_num_unfinished_requests() == 0 and s.get_request_counts() == (0, 1)
     assert s.get_kv_cache_usage() > 0  # a's KV, kept between turns

@@ -180,9 +180,6 @@ EXPECTED: list[tuple[str, str, str]] = [
      "sets num_sampled_tokens_per_step, an internal of vLLM's diffusion scheduler, on a built "
      "scheduler (diffusion models are refused)"),
     # ---- documented policy differences ----
-    (S + "test_spec_decoding_stats_empty_output", "policy",
-     "a row that must sample but gets no token from the runner raises (runner and scheduler "
-     "disagree); vLLM counts it as no token"),
     (S + "test_scheduler_reset_prefix_cache", "policy",
      "reset_prefix_cache(reset_running_requests=True) with a batch still in flight: the class "
      "answers False until its output lands (vLLM drops it); also an aux-output connector mock"),
