@@ -613,7 +613,7 @@ def test_a_row_the_runner_left_without_a_token_ends_only_its_request():
     from atom_sched.vllm import AtomScheduler
 
     cfg, kv = _config()
-    s = AtomScheduler(cfg, kv, None, block_size=16, log_stats=True)
+    s = AtomScheduler(cfg, kv, None, block_size=16, log_stats=True, include_finished_set=True)
     runner = StandInRunner(16)
     s.add_request(make_request("a", 14, 6))
     s.add_request(make_request("b", 14, 6))
@@ -1456,7 +1456,9 @@ def test_kv_connector_delayed_free_reports_and_load_failures():
     conn.keep.add("send")
     conn.script["bad"] = (32, False)
     s.add_request(make_request("send", 20, 1))
-    s.add_request(make_request("bad", 40, 4))
+    # (A prompt of its own: a prefix of "send"'s would hit its first block, shared from the
+    # step that computes it, and the connector's 32 tokens would then run past its end.)
+    s.add_request(make_request("bad", list(range(100, 140)), 4))
     runner, outputs = StandInRunner(16), {}
     out = s.schedule()
     bad_blocks = out.scheduled_new_reqs[1].block_ids[0]
