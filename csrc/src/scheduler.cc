@@ -597,14 +597,13 @@ PrefillChunk Scheduler::prefill_chunk() const {
   return {config_.enable_chunked_prefill, cap, config_.prefill_lookahead_tokens};
 }
 
-bool Scheduler::pads_first_decode(const Request& r, int32_t computed, const Batch& b,
-                                  bool chunk_continued, bool decodes) const {
+bool Scheduler::pads_first_decode(const Request& r, int32_t computed, bool chunk_continued,
+                                  bool decodes) const {
   // (config.h, pad_first_decode_rows.) A decode row publishes the prompt's last block only with
   // cache_decode_blocks: without it, a row that completes that block stays a prompt row.
   return config_.pad_first_decode_rows && r.num_tokens() - computed == 1 && !chunk_continued &&
          (decodes || computed > 0) && computed + k_ + 2 <= position_limit_ &&
-         (cache_decode_blocks_ || r.num_tokens() % config_.block_size != 0) &&
-         b.num_rows < config_.max_num_seqs;
+         (cache_decode_blocks_ || r.num_tokens() % config_.block_size != 0);
 }
 
 int32_t Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
@@ -694,7 +693,7 @@ int32_t Scheduler::schedule_prefills(Batch& b, double now, bool admit_waiting) {
         match.load_async ? 0
                          : chunk_of(r.num_tokens() - computed, row_token_room(b), r.preempted);
     if (chunk == 0 && !match.load_async) break;
-    bool pad = !match.load_async && pads_first_decode(r, computed, b, chunk_continued,
+    bool pad = !match.load_async && pads_first_decode(r, computed, chunk_continued,
                                                       decode_rows > 0);
     if (pad && k_ + 1 > row_token_room(b)) break;  // it waits rather than go unpadded (vLLM)
     pool_.allocate(r.block_hashes, hits, r.num_tokens(), r.block_table);

@@ -384,9 +384,9 @@ class Scheduler {
   /// Returns the decode rows it added: the padded first rows (pad_first_decode_rows).
   int32_t schedule_prefills(Batch& b, double now, bool admit_waiting);
   /// pad_first_decode_rows' rule for a request admitted with `computed` tokens computed:
-  /// whether its one-token row is padded to K+1 in batch `b`.
-  [[nodiscard]] bool pads_first_decode(const Request& r, int32_t computed, const Batch& b,
-                                       bool chunk_continued, bool decodes) const;
+  /// whether its one-token row is padded to K+1.
+  [[nodiscard]] bool pads_first_decode(const Request& r, int32_t computed, bool chunk_continued,
+                                       bool decodes) const;
   int32_t schedule_decodes(Batch& b);  // returns the decode rows it added
   // The decode loop and its row helpers are compiled per kind of step (kSpec: K > 0; kPow2: a
   // power-of-two block size), so the common K = 0 step carries no draft logic and no division
