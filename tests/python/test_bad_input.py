@@ -124,7 +124,8 @@ def test_config_wrong_type_is_type_error() -> None:
 
 @pytest.mark.parametrize("field", ["recompute_last_hit_block",
                                    "long_prefill_token_threshold_adaptive",
-                                   "pad_first_decode_rows", "publish_prompt_blocks_at_schedule"])
+                                   "pad_first_decode_rows", "publish_prompt_blocks_at_schedule",
+                                   "schedule_ahead"])
 @pytest.mark.parametrize("bad", ["yes", [True], {"on": 1}])
 def test_config_flag_refuses_what_is_not_a_flag(field: str, bad: Any) -> None:
     with pytest.raises(TypeError):

@@ -199,7 +199,9 @@ CONFIG = SchedulerConfig(num_blocks=123, block_size=8, max_num_seqs=7, max_num_b
                          eos_token_id=5, stop_token_ids=[9, 10], scheduler_delay_factor=0.5,
                          enable_kv_events=True, num_state_slots=3, num_lookahead_tokens=2,
                          draft_slots_per_row=1, recompute_last_hit_block=True,
-                         long_prefill_token_threshold_adaptive=True)
+                         long_prefill_token_threshold_adaptive=True, policy="mixed",
+                         prefill_lookahead_tokens=3, pad_first_decode_rows=True,
+                         publish_prompt_blocks_at_schedule=True, schedule_ahead=False)
 PARAMS = SamplingParams(temperature=0.5, top_k=4, top_p=0.75, max_tokens=17, ignore_eos=True,
                         logprobs=True, stop_token_ids=[3], stop_token_sequences=[[4, 5]],
                         seed=1234)
